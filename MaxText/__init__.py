@@ -1,0 +1,1 @@
+"""A MaxText-compatible JAX trainer for Mixture-of-Experts language models."""

@@ -1,0 +1,343 @@
+"""Configuration: a YAML chain plus `key=value` overrides, loaded into a locked ConfigDict.
+
+Order of precedence, lowest first:
+  1. configs/base.yml (every key, with its default);
+  2. configs/models/<model_name>.yml, when `model_name` is set anywhere below;
+  3. the YAML files of the chain named on the command line (`base_config:` links, root last applied first);
+  4. `key=value` arguments.
+A value is parsed to the type of its default in base.yml (keys whose default is null are typed in
+OPTIONAL_KEY_TYPES). Cross-key checks are the small `check_*` functions below; each raises ConfigError
+naming the keys. Loading touches no JAX device, network or output directory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+import yaml
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+BASE_CONFIG = os.path.join(CONFIG_DIR, "base.yml")
+
+# Keys whose default is null (unset), with the type a set value takes.
+OPTIONAL_KEY_TYPES: dict[str, type] = {
+    "run_name": str,
+    "xla_flags": str,
+    "model_name": str,
+    "capacity_factor": float,
+    "learning_rate_schedule_steps": int,
+    "gradient_clipping_threshold": float,
+    "max_num_checkpoints_to_keep": int,
+    "load_parameters_path": str,
+    "load_full_state_path": str,
+}
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MOE_IMPLS = ("dense", "ragged", "te_dropless")
+REMAT_POLICIES = ("full", "minimal", "none", "custom")
+REMAT_LOCATIONS = ("remat", "device", "offload")
+# Tensors tagged with jax.ad_checkpoint.checkpoint_name in the model; `remat_policy: custom` reads one
+# REMAT_LOCATIONS value per name from the key of the same name.
+REMAT_TENSOR_NAMES = (
+    "query_proj", "key_proj", "value_proj", "out_proj",
+    "mlpwi_0", "mlpwi_1", "mlpwo",
+    "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
+DATASET_TYPES = ("synthetic",)
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the key and the fix."""
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of key: value, not {type(data).__name__}")
+    return data
+
+
+def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """The files of a `base_config:` chain, root first, each as (path, values without base_config)."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    seen = set()
+    while path is not None:
+        path = os.path.abspath(path)
+        if path in seen:
+            raise ConfigError(f"base_config in {path} forms a cycle")
+        seen.add(path)
+        values = _read_yaml(path)
+        parent = values.pop("base_config", None)
+        chain.append((path, values))
+        if parent is not None:
+            parent = os.path.join(os.path.dirname(path), str(parent))
+            if not os.path.isfile(parent):
+                raise ConfigError(f"base_config: {parent} (named in {path}) does not exist")
+        path = parent
+    return chain[::-1]
+
+
+def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
+    overrides: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"argument {arg!r} is not key=value (or a .yml config file first)")
+        overrides[key.strip()] = value
+    return overrides
+
+
+def _nearest(key: str, known) -> str:
+    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.0)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _key_type(key: str, default: Any) -> type:
+    if default is None:
+        return OPTIONAL_KEY_TYPES[key]
+    return type(default)
+
+
+def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
+    """Parses `value` to the type of `default`; `origin` says where the value came from."""
+    want = _key_type(key, default)
+    if value is None:
+        if default is None or key in OPTIONAL_KEY_TYPES:
+            return None
+        raise ConfigError(f"{key} ({origin}) cannot be null; give a {want.__name__}, e.g. {key}={default}")
+    if isinstance(value, str) and want is not str:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+        if value is None:
+            return _coerce(key, None, default, origin)
+    ok = False
+    if want is bool:
+        ok = isinstance(value, bool)
+    elif want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if isinstance(value, float) and value.is_integer():
+            value, ok = int(value), True
+    elif want is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif want is str:
+        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        value = str(value) if ok else value
+    elif want is list:
+        ok = isinstance(value, list)
+    if not ok:
+        raise ConfigError(
+            f"{key}={value!r} ({origin}) is not a valid {want.__name__}; "
+            f"use {'an' if want.__name__[0] in 'aeiou' else 'a'} {want.__name__} such as {key}={default if default is not None else '...'}")
+    return value
+
+
+def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str) -> None:
+    for key, value in layer.items():
+        if key not in defaults:
+            raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
+        values[key] = _coerce(key, value, defaults[key], origin)
+
+
+def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """Loads `[config.yml] key=value ...` into a locked ConfigDict and validates it.
+
+    Raises ConfigError for any user mistake. Has no side effects (no JAX, no files written).
+    """
+    argv = list(argv)
+    config_path = BASE_CONFIG
+    if argv and not ("=" in argv[0]) and argv[0].endswith((".yml", ".yaml")):
+        config_path = argv.pop(0)
+    overrides = _parse_overrides(argv)
+
+    base_path = os.path.abspath(BASE_CONFIG)
+    defaults = _read_yaml(base_path)
+    defaults.pop("base_config", None)
+    for key, default in defaults.items():
+        assert default is not None or key in OPTIONAL_KEY_TYPES, f"base.yml: type of null key {key} unknown"
+
+    chain = [(p, v) for p, v in _yaml_chain(config_path) if p != base_path]
+    values = dict(defaults)
+    files: list[tuple[str, dict[str, Any]]] = list(chain)
+
+    model_name = overrides.get("model_name")
+    if model_name is None:
+        for _, layer in chain:
+            model_name = layer.get("model_name", model_name)
+    if model_name not in (None, "", "null"):
+        model_path = os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
+        if not os.path.isfile(model_path):
+            known = sorted(f[:-4] for f in os.listdir(os.path.join(CONFIG_DIR, "models")) if f.endswith(".yml"))
+            raise ConfigError(f"model_name={model_name}: no file {model_path}{_nearest(str(model_name), known)}")
+        files.insert(0, (model_path, _read_yaml(model_path)))
+
+    for path, layer in files:
+        _merge(values, layer, defaults, f"in {path}")
+    _merge(values, overrides, defaults, "on the command line")
+
+    cfg = ml_collections.ConfigDict(values, type_safe=False)
+    validate(cfg)
+    cfg.lock()
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def check_choices(cfg) -> None:
+    """Keys with a fixed set of values."""
+    choices = {
+        "moe_impl": MOE_IMPLS, "remat_policy": REMAT_POLICIES, "dtype": DTYPES, "weight_dtype": DTYPES,
+        "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",),
+        **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
+    }
+    for key, allowed in choices.items():
+        if cfg[key] not in allowed:
+            raise ConfigError(f"{key}={cfg[key]} is not one of {', '.join(allowed)}")
+
+
+def check_moe_impl_available(cfg) -> None:
+    """Only `dense` is built so far; the dropless impls arrive with the dropless-MoE work."""
+    if cfg.moe_impl != "dense":
+        raise ConfigError(
+            f"moe_impl={cfg.moe_impl} is not available in this version (the dropless MoE is not built yet); "
+            "use moe_impl=dense, with capacity_factor unset for no dropped tokens")
+
+
+def check_positive(cfg) -> None:
+    """Sizes and periods that must be at least 1 (or > 0 for floats)."""
+    for key in ("steps", "log_period", "checkpoint_period", "base_emb_dim", "base_num_query_heads",
+                "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
+                "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length",
+                "max_num_checkpoints_to_keep", "learning_rate_schedule_steps"):
+        if cfg[key] is not None and cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
+    for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
+                "normalization_layer_epsilon", "rope_max_timescale"):
+        if cfg[key] is not None and not cfg[key] > 0:
+            raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
+    for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay"):
+        if cfg[key] < 0:
+            raise ConfigError(f"{key}={cfg[key]} must not be negative")
+    for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction"):
+        if not 0 <= cfg[key] <= 1:
+            raise ConfigError(f"{key}={cfg[key]} must be between 0 and 1")
+
+
+def check_attention_heads(cfg) -> None:
+    """GQA: every key/value head serves the same number of query heads."""
+    if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+        raise ConfigError(
+            f"base_num_query_heads={cfg.base_num_query_heads} must be a multiple of "
+            f"base_num_kv_heads={cfg.base_num_kv_heads}")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs of features)")
+
+
+def check_layers(cfg) -> None:
+    """Dense-then-MoE layer split."""
+    if not 0 <= cfg.first_num_dense_layers <= cfg.base_num_decoder_layers:
+        raise ConfigError(
+            f"first_num_dense_layers={cfg.first_num_dense_layers} must be between 0 and "
+            f"base_num_decoder_layers={cfg.base_num_decoder_layers}")
+
+
+def check_experts(cfg) -> None:
+    """Top-k within the experts, and experts divisible over the expert mesh axis."""
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok={cfg.num_experts_per_tok} must not exceed num_experts={cfg.num_experts}")
+    ep = cfg.ici_expert_parallelism * cfg.dcn_expert_parallelism
+    if cfg.num_experts > 1 and ep > 0 and cfg.num_experts % ep:
+        raise ConfigError(
+            f"num_experts={cfg.num_experts} must be divisible by the expert parallelism "
+            f"ici_expert_parallelism x dcn_expert_parallelism = {ep}")
+
+
+def check_parallelism(cfg) -> None:
+    """Each ici_*/dcn_* value is a positive size, or -1/null (absorb the rest) for at most one axis per group."""
+    for group in ("ici", "dcn"):
+        absorbing = []
+        for axis in MESH_AXES:
+            key = f"{group}_{axis}_parallelism"
+            value = cfg[key]
+            if value is None or value == -1:
+                absorbing.append(key)
+            elif value < 1:
+                raise ConfigError(f"{key}={value} must be a positive size, or -1 to absorb the remaining devices")
+        if len(absorbing) > 1:
+            raise ConfigError(f"only one {group}_*_parallelism may be -1, got {', '.join(absorbing)}; set the others")
+
+
+def check_logical_axis_rules(cfg) -> None:
+    """Rules are [logical_name, [mesh axes]] pairs over known mesh axes."""
+    for rule in cfg.logical_axis_rules:
+        ok = (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+              and isinstance(rule[1], (list, tuple, str, type(None))))
+        axes = [] if not ok or rule[1] is None else ([rule[1]] if isinstance(rule[1], str) else list(rule[1]))
+        if not ok or any(a not in MESH_AXES for a in axes):
+            raise ConfigError(
+                f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+
+
+def check_checkpoint_sources(cfg) -> None:
+    """At most one of the two ways to start from a checkpoint."""
+    if cfg.load_parameters_path and cfg.load_full_state_path:
+        raise ConfigError("set only one of load_parameters_path and load_full_state_path")
+
+
+CHECKS = (check_choices, check_moe_impl_available, check_positive, check_attention_heads, check_layers,
+          check_experts, check_parallelism, check_logical_axis_rules, check_checkpoint_sources)
+
+
+def validate(cfg) -> None:
+    """Runs every cross-key check; raises ConfigError on the first failure."""
+    for check in CHECKS:
+        check(cfg)
+
+
+# ------------------------------------------------------------------------------------------- derived
+
+
+def global_batch_size(cfg, num_devices: int) -> int:
+    """per_device_batch_size x devices, which must be a whole number of sequences."""
+    batch = cfg.per_device_batch_size * num_devices
+    if not math.isclose(batch, round(batch)) or round(batch) < 1:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices = {batch:g} "
+            "is not a whole number of sequences; change per_device_batch_size")
+    return int(round(batch))
+
+
+def apply_xla_flags(cfg, environ=os.environ) -> None:
+    """Merges cfg.xla_flags into XLA_FLAGS; must run before JAX initialises its backend.
+
+    A flag given in both keeps the config's value (the later occurrence wins in XLA's parser,
+    but we drop the older one so XLA_FLAGS stays readable).
+    """
+    if not cfg.xla_flags:
+        return
+    new = cfg.xla_flags.split()
+    new_names = {f.split("=", 1)[0] for f in new}
+    old = [f for f in environ.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] not in new_names]
+    environ["XLA_FLAGS"] = " ".join(old + new)

@@ -1,0 +1,96 @@
+"""Decoder layers, layer stacks (scanned or unrolled) and the remat policy that wraps each layer."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from MaxText.config import REMAT_TENSOR_NAMES
+from MaxText.layers.attention import Attention
+from MaxText.layers.mlp import MLP
+from MaxText.layers.moe.block import MoeBlock
+from MaxText.layers.norms import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) with a dense MLP or routed experts."""
+
+    def __init__(self, cfg, *, moe: bool, dtype, weight_dtype, rules, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+        d, eps = cfg.base_emb_dim, cfg.normalization_layer_epsilon
+        self.pre_self_attention_norm = RMSNorm(d, epsilon=eps, **kw)
+        self.self_attention = Attention(cfg, rules=rules, **kw)
+        self.post_self_attention_norm = RMSNorm(d, epsilon=eps, **kw)
+        if moe:
+            self.moe = MoeBlock(cfg, rules=rules, **kw)
+        else:
+            self.mlp = MLP(d, cfg.base_mlp_dim, rules=rules, **kw)
+        self.is_moe = moe
+        self.num_experts = cfg.num_experts
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        """Returns the new residual stream and this layer's MoE stats (zeros for a dense layer)."""
+        h = self.self_attention(self.pre_self_attention_norm(x_BLD), positions_BL, segment_ids_BL)
+        x_BLD = x_BLD + h
+        normed = self.post_self_attention_norm(x_BLD)
+        if self.is_moe:
+            h, stats = self.moe(normed)
+        else:
+            h = self.mlp(normed)
+            stats = {"lb_loss": jnp.zeros((), jnp.float32), "load_E": jnp.zeros((self.num_experts,), jnp.float32),
+                     "dropped_fraction": jnp.zeros((), jnp.float32)}
+        return x_BLD + h, stats
+
+
+def remat_policy(cfg):
+    """jax.checkpoint policy for remat_policy; None means no rematerialisation at all."""
+    policies = jax.checkpoint_policies
+    if cfg.remat_policy == "none":
+        return None
+    if cfg.remat_policy == "full":
+        return policies.nothing_saveable
+    if cfg.remat_policy == "minimal":
+        return policies.save_only_these_names(*REMAT_TENSOR_NAMES)
+    saved = [n for n in REMAT_TENSOR_NAMES if cfg[n] == "device"]
+    offloaded = [n for n in REMAT_TENSOR_NAMES if cfg[n] == "offload"]
+    return policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
+        offload_src="device", offload_dst="pinned_host")
+
+
+class LayerStack(nnx.Module):
+    """`count` identical layers. Scanned: one layer module whose params carry a leading `layers` axis,
+    applied by lax.scan (one compiled layer body). Unrolled: attributes layers_0 ... layers_{n-1}."""
+
+    def __init__(self, cfg, count: int, *, moe: bool, scan: bool, rngs: nnx.Rngs, **kw):
+        self.count, self.scan = count, scan
+        make = lambda r: DecoderLayer(cfg, moe=moe, rngs=r, **kw)  # noqa: E731
+        if scan:
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_stacked(r):
+                return make(r)
+            self.layers = make_stacked(rngs)
+        else:
+            for i in range(count):
+                setattr(self, f"layers_{i}", make(rngs))
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL, policy, remat: bool):
+        """Returns x and the per-layer stats stacked on a leading axis of size `count`."""
+
+        def apply(graphdef, state, x):
+            return nnx.merge(graphdef, state)(x, positions_BL, segment_ids_BL)
+
+        if remat:
+            apply = jax.checkpoint(apply, policy=policy, prevent_cse=not self.scan, static_argnums=(0,))
+        if self.scan:
+            graphdef, state = nnx.split(self.layers)
+            x_BLD, stats = jax.lax.scan(lambda x, s: apply(graphdef, s, x), x_BLD, state)
+            return x_BLD, stats
+        per_layer = []
+        for i in range(self.count):
+            graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
+            x_BLD, stats = apply(graphdef, state, x_BLD)
+            per_layer.append(stats)
+        return x_BLD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

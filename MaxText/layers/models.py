@@ -1,0 +1,47 @@
+"""The decoder-only Transformer: embed -> dense layers -> MoE layers -> norm -> logits."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from MaxText.layers.decoder import LayerStack, remat_policy
+from MaxText.layers.embed import Embed
+from MaxText.layers.norms import RMSNorm
+from MaxText.layers.params import dtype_of
+
+
+class Transformer(nnx.Module):
+    """Layers 0 .. first_num_dense_layers-1 have a dense MLP; the rest routed experts (when num_experts > 1)."""
+
+    def __init__(self, cfg, rules=None, *, rngs: nnx.Rngs):
+        cfg = ml_collections.FrozenConfigDict(cfg)  # hashable: module attributes end up in the graphdef
+        kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), rules=rules, rngs=rngs)
+        moe = cfg.num_experts > 1
+        num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
+        num_moe = cfg.base_num_decoder_layers - num_dense
+        self.token_embedder = Embed(cfg, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+        if num_dense:
+            self.dense_layers = LayerStack(cfg, num_dense, moe=False, scan=cfg.scan_layers, **kw)
+        if num_moe:
+            self.moe_layers = LayerStack(cfg, num_moe, moe=True, scan=cfg.scan_layers, **kw)
+        self.decoder_norm = RMSNorm(cfg.base_emb_dim, epsilon=cfg.normalization_layer_epsilon,
+                                    dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+        self.num_dense, self.num_moe = num_dense, num_moe
+        self.remat = cfg.remat_policy != "none"
+        self.policy = remat_policy(cfg) if self.remat else None
+
+    def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        """float32 logits [B, L, V] and MoE stats per MoE layer ({} for a dense model)."""
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+        if segment_ids_BL is None:
+            segment_ids_BL = jnp.ones_like(tokens_BL)
+        x = self.token_embedder(tokens_BL)
+        if self.num_dense:
+            x, _ = self.dense_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
+        stats = {}
+        if self.num_moe:
+            x, stats = self.moe_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
+        return self.token_embedder.logits(self.decoder_norm(x)), stats

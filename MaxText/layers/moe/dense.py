@@ -1,0 +1,62 @@
+"""`moe_impl=dense`: GShard-style capacity dispatch with one-hot einsums (the baseline that drops tokens).
+
+Capacity is counted per group of S tokens (one sequence, as in MaxText), with every token's first
+choice served before any second choice. capacity_factor=null means no cap: C = S, which holds every
+token because a token picks distinct experts. Dropped token-slots contribute nothing to the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers.moe.router import Routing
+from MaxText.sharding import constrain
+
+
+def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
+    """Slots per expert per group: ceil(S*K/E * factor), at most S; S when uncapped."""
+    if capacity_factor is None:
+        return group_size
+    return max(1, min(group_size, math.ceil(group_size * top_k / num_experts * capacity_factor)))
+
+
+def dispatch_masks(experts_GSK, weights_GSK, num_experts: int, cap: int):
+    """One-hot dispatch [G,S,E,C] (0/1) and combine [G,S,E,C] (weights) tensors, plus the kept mask [G,S,K]."""
+    g, s, k = experts_GSK.shape
+    onehot_GSKE = jax.nn.one_hot(experts_GSK, num_experts, dtype=jnp.int32)
+    # Priority order: all first choices of the group, then all second choices, ...
+    onehot_GKSE = onehot_GSKE.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
+    position_GKSE = (jnp.cumsum(onehot_GKSE, axis=1) - 1).reshape(g, k, s, num_experts)
+    position_GSK = jnp.sum(position_GKSE.transpose(0, 2, 1, 3) * onehot_GSKE, axis=-1)
+    kept_GSK = position_GSK < cap
+    slot_GSKC = jax.nn.one_hot(jnp.where(kept_GSK, position_GSK, cap), cap, dtype=jnp.float32)
+    dispatch_GSEC = jnp.einsum("gske,gskc->gsec", onehot_GSKE.astype(jnp.float32), slot_GSKC)
+    combine_GSEC = jnp.einsum("gske,gskc,gsk->gsec", onehot_GSKE.astype(jnp.float32), slot_GSKC, weights_GSK)
+    return dispatch_GSEC, combine_GSEC, kept_GSK
+
+
+def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
+    """y_TD = sum over kept (token, expert) slots of weight * SwiGLU_expert(x). Returns (y_TD, stats)."""
+    t, d = x_TD.shape
+    num_experts = w.wi_0_EDF.shape[0]
+    s = cfg.max_target_length if t % cfg.max_target_length == 0 else t
+    g = t // s
+    cap = capacity(s, num_experts, cfg.num_experts_per_tok, cfg.capacity_factor)
+    dispatch, combine, kept_GSK = dispatch_masks(
+        routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap)
+    dt = x_TD.dtype
+    x_GSD = x_TD.reshape(g, s, d)
+    x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GSD)
+    x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
+    gate = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_0_EDF.astype(dt)), "moe_mlpwi_0")
+    up = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_1_EDF.astype(dt)), "moe_mlpwi_1")
+    h = jax.nn.silu(gate) * up
+    out_EGCD = checkpoint_name(jnp.einsum("egcf,efd->egcd", h, w.wo_EFD.astype(dt)), "moe_mlpwo")
+    out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
+    y_GSD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
+    dropped = 1.0 - jnp.mean(kept_GSK.astype(jnp.float32))
+    return y_GSD.reshape(t, d), {"dropped_fraction": dropped}

@@ -1,0 +1,109 @@
+"""Step metrics: model FLOPs and MFU from the config, and the writers (console, JSONL, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# Dense bf16 peak TFLOP/s per device (no sparsity), matched as a substring of jax's device_kind;
+# longer names first so 'GH200' is not read as 'H200'. Unknown devices (and CPUs) get no MFU.
+PEAK_TFLOPS_BF16 = (
+    ("GB300", 2500.0), ("GB200", 2500.0), ("B300", 2250.0), ("B200", 2250.0),
+    ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("A100", 312.0),
+)
+
+
+def peak_tflops(device_kind: str):
+    """The table's peak for this device kind, or None where it is not known."""
+    for name, peak in PEAK_TFLOPS_BF16:
+        if name.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def model_flops_per_token(cfg) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token, counted from the config.
+
+    Counts matmuls only: attention projections and scores (causal: half of the L x L products),
+    dense MLPs, the router and the K active experts of MoE layers, and the output (logits) projection.
+    """
+    d, h, n, k, length = (cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim,
+                          cfg.max_target_length)
+    moe = cfg.num_experts > 1
+    num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
+    num_moe = cfg.base_num_decoder_layers - num_dense
+    attention = 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + 2 * 2 * h * k * length / 2
+    dense_mlp = 2 * 3 * d * cfg.base_mlp_dim
+    moe_mlp = 2 * d * cfg.num_experts + cfg.num_experts_per_tok * 2 * 3 * d * cfg.base_moe_mlp_dim
+    forward = (cfg.base_num_decoder_layers * attention + num_dense * dense_mlp + num_moe * moe_mlp
+               + 2 * d * cfg.vocab_size)
+    return 3.0 * forward
+
+
+def throughput(cfg, tokens_per_step: int, num_devices: int, step_time_s: float, peak):
+    """tokens/s/device, model TFLOP/s/device and MFU (None without a known peak)."""
+    tokens_per_s_per_device = tokens_per_step / step_time_s / num_devices
+    tflops = model_flops_per_token(cfg) * tokens_per_s_per_device / 1e12
+    return tokens_per_s_per_device, tflops, (tflops / peak if peak else None)
+
+
+def _scalar(value):
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    return arr.item() if arr.ndim == 0 else arr.tolist()
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to <run>/metrics/metrics.jsonl and mirrors the scalars to
+    TensorBoard events under <run>/tensorboard. Only process 0 writes."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool, primary: bool = True):
+        self.primary = primary
+        self.tb = None
+        if not primary:
+            return
+        os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+        self.jsonl = open(os.path.join(run_dir, "metrics", "metrics.jsonl"), "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> dict:
+        """Writes the metrics of `step`; arrays become lists in JSON and histograms in TensorBoard."""
+        record = {"step": int(step), **{key: _scalar(v) for key, v in metrics.items()}}
+        if not self.primary:
+            return record
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key == "step" or value is None:
+                    continue
+                if isinstance(value, list):
+                    self.tb.add_histogram(key, np.asarray(value), step)
+                else:
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        return record
+
+    def close(self):
+        if self.primary:
+            self.jsonl.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def console_line(record: dict) -> str:
+    """MaxText's log line: completed step, seconds, TFLOP/s/device, Tokens/s/device, losses."""
+    parts = [f"completed step: {record['step']}"]
+    for key, label, fmt in (("step_time_s", "seconds", ".3f"), ("tflops_per_device", "TFLOP/s/device", ".3f"),
+                            ("tokens_per_s_per_device", "Tokens/s/device", ".1f"), ("mfu", "MFU", ".2%"),
+                            ("loss", "loss", ".4f"), ("lm_loss", "lm_loss", ".4f"),
+                            ("moe_aux_loss", "moe_lb_loss", ".4f"), ("grad_norm", "grad_norm", ".3f"),
+                            ("learning_rate", "lr", ".3e"), ("moe_dropped_fraction", "dropped", ".3f")):
+        if record.get(key) is not None:
+            parts.append(f"{label}: {record[key]:{fmt}}")
+    return ", ".join(parts)

@@ -1,0 +1,110 @@
+"""The device mesh (axes data, fsdp, expert, tensor) and logical-axis -> mesh-axis shardings.
+
+Model code names logical axes only; `logical_axis_rules` (base.yml) maps them onto the mesh here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from MaxText.config import MESH_AXES, ConfigError
+
+# Mesh axes the batch is split over: attention and dense layers use the expert axis for data too.
+DATA_AXES = ("data", "fsdp", "expert")
+
+
+def _fill(group: str, cfg, total: int) -> list[int]:
+    sizes = [cfg[f"{group}_{a}_parallelism"] for a in MESH_AXES]
+    known = math.prod(s for s in sizes if s not in (None, -1))
+    if any(s in (None, -1) for s in sizes):
+        if total % known:
+            raise ConfigError(
+                f"{group}_*_parallelism: the fixed sizes multiply to {known}, which does not divide the "
+                f"{total} {'devices per slice' if group == 'ici' else 'slices'}; change them")
+        sizes = [total // known if s in (None, -1) else s for s in sizes]
+    elif known != total:
+        raise ConfigError(
+            f"{group}_*_parallelism multiply to {known} but there are {total} "
+            f"{'devices per slice' if group == 'ici' else 'slices'}; make the product {total} or set one axis to -1")
+    return sizes
+
+
+def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Size of each mesh axis: ici (within a slice/node) x dcn (across them); -1 axes absorb the rest."""
+    if num_devices % num_slices:
+        raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
+    dcn = _fill("dcn", cfg, num_slices) if num_slices > 1 else None
+    if dcn is None:
+        # One slice (a single process, or processes the runtime does not group): dcn sizes set by the
+        # user still split the devices, as on a GPU cluster with one process per GPU.
+        sizes = [cfg[f"dcn_{a}_parallelism"] for a in MESH_AXES]
+        dcn = [1 if s in (None, -1) else s for s in sizes]
+        if num_devices % math.prod(dcn):
+            raise ConfigError(
+                f"dcn_*_parallelism multiply to {math.prod(dcn)}, which does not divide the {num_devices} devices")
+    ici = _fill("ici", cfg, num_devices // math.prod(dcn))
+    return {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)} | {"_dcn": tuple(dcn), "_ici": tuple(ici)}
+
+
+def create_mesh(cfg, devices=None) -> Mesh:
+    """The training mesh. Devices are ordered by process, so the dcn (outer) part of each axis spans
+    processes/nodes and the ici (inner) part stays within one."""
+    devices = list(devices if devices is not None else jax.devices())
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    shape = mesh_shape(cfg, len(devices), len(slices))
+    dcn, ici = shape["_dcn"], shape["_ici"]
+    grid = np.array(devices, dtype=object).reshape(*dcn, *ici)
+    n = len(MESH_AXES)
+    # Interleave (dcn_a, ici_a) per axis, then merge each pair into one mesh axis.
+    grid = grid.transpose([k for a in range(n) for k in (a, n + a)])
+    grid = grid.reshape([shape[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * n)
+
+
+def axis_rules(cfg) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """logical_axis_rules as flax expects them: (logical name, tuple of mesh axes)."""
+    rules = []
+    for name, axes in cfg.logical_axis_rules:
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        rules.append((name, axes or None))
+    return tuple(rules)
+
+
+def logical_to_spec(logical_axes, rules) -> P:
+    """PartitionSpec for one array from its logical axis names."""
+    return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def logical_sharding(tree_of_logical_specs, mesh: Mesh, rules):
+    """NamedShardings for a tree whose leaves are logical PartitionSpecs."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, logical_to_spec(spec, rules)),
+        tree_of_logical_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays [B, L] are split over the data axes along B."""
+    return NamedSharding(mesh, P(DATA_AXES))
+
+
+def check_batch(cfg, mesh: Mesh, global_batch: int) -> None:
+    """The global batch must split evenly over the data axes."""
+    shards = math.prod(mesh.shape[a] for a in DATA_AXES)
+    if global_batch % shards:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.per_device_batch_size} gives a global batch of {global_batch}, which "
+            f"does not split over the {shards} data shards (data x fsdp x expert); change per_device_batch_size")
+
+
+def constrain(x, logical_axes, rules):
+    """Sharding constraint on an activation by logical axis names (a no-op without rules or a mesh in
+    context, so the model also runs unsharded in tests and references)."""
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules))

@@ -1,0 +1,54 @@
+"""The train state {step, params, opt_state}: its abstract shape, its shardings, and its sharded creation."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from MaxText import sharding
+from MaxText.layers.models import Transformer
+from MaxText.optimizers import optimizer
+
+
+class StateSpec(NamedTuple):
+    graphdef: Any            # the model's static structure; nnx.merge(graphdef, params) rebuilds it
+    abstract: Any            # ShapeDtypeStructs of the state, each with its NamedSharding
+    shardings: Any           # NamedShardings of the state
+    tx: optax.GradientTransformation
+
+
+def _new_state(cfg, rules, tx, key):
+    model = Transformer(cfg, rules, rngs=nnx.Rngs(params=key))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def state_spec(cfg, mesh: Mesh) -> StateSpec:
+    """Shapes and shardings of the train state without allocating it (jax.eval_shape over the real model)."""
+    rules = sharding.axis_rules(cfg)
+    tx = optimizer(cfg)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rules, rngs=nnx.Rngs(0)))
+    graphdef, param_vars = nnx.split(model, nnx.Param)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(param_vars))
+    param_shardings = sharding.logical_sharding(logical, mesh, rules)
+    abstract = jax.eval_shape(lambda k: _new_state(cfg, rules, tx, k), jax.random.key(0))
+    replicated = NamedSharding(mesh, P())
+    # Optimizer moments mirror the params and take their shardings; counters are replicated.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract["opt_state"], param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
+    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return StateSpec(graphdef, abstract, shardings, tx)
+
+
+def create_state(cfg, mesh: Mesh, spec: StateSpec):
+    """Initialises the state directly into its shardings: no parameter is ever whole on one device."""
+    rules = sharding.axis_rules(cfg)
+    init = jax.jit(lambda k: _new_state(cfg, rules, spec.tx, k), out_shardings=spec.shardings)
+    return init(jax.random.key(cfg.init_weights_seed))

@@ -1,0 +1,164 @@
+"""Training entry point: `python -m MaxText.train [config.yml] key=value ...`.
+
+config -> (XLA flags, jax.distributed) -> mesh -> state (resume / load / init) -> loop.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
+
+
+def _process_count_from_env() -> int:
+    """Processes in this job as launchers announce them (ours, SLURM, Open MPI); 1 when none does."""
+    for var in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def maybe_initialize_distributed(cfg) -> None:
+    """jax.distributed.initialize() when the job has several processes (or hardware=gpu_multiprocess).
+
+    Our launcher sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; under SLURM or
+    Open MPI jax finds them by itself. Single-process runs never start the distributed runtime.
+    """
+    import jax
+
+    if cfg.hardware != "gpu_multiprocess" and _process_count_from_env() <= 1:
+        return
+    kwargs = {}
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:
+        kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+    if cfg.hardware == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+
+
+def run_directories(cfg) -> tuple[str, str]:
+    """(run directory, checkpoint directory) as MaxText lays them out."""
+    run_dir = os.path.join(cfg.base_output_directory, cfg.run_name)
+    return run_dir, os.path.join(run_dir, "checkpoints")
+
+
+def initial_state(cfg, mesh, spec, checkpointer, log):
+    """Resume this run's latest checkpoint, else load_full_state_path / load_parameters_path, else init."""
+    from MaxText import checkpointing
+    from MaxText.state import create_state
+
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        log(f"resuming from {checkpointer.directory}/{latest}")
+        return checkpointer.restore(latest, spec.abstract)
+    if cfg.load_full_state_path:
+        log(f"loading the full state from {cfg.load_full_state_path}")
+        return checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract)
+    state = create_state(cfg, mesh, spec)
+    if cfg.load_parameters_path:
+        log(f"loading params from {cfg.load_parameters_path}")
+        state["params"] = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"])
+    return state
+
+
+def train(cfg, log=print) -> dict | None:
+    """Runs the training loop to cfg.steps; returns the last logged metrics record (None if no step ran)."""
+    import jax
+    import tqdm
+
+    from MaxText import metrics as metrics_lib, sharding
+    from MaxText.checkpointing import Checkpointer
+    from MaxText.data.synthetic import SyntheticData
+    from MaxText.state import state_spec
+    from MaxText.train_step import jit_train_step
+
+    mesh = sharding.create_mesh(cfg)
+    num_devices = mesh.devices.size
+    global_batch = global_batch_size(cfg, num_devices)
+    sharding.check_batch(cfg, mesh, global_batch)
+    primary = jax.process_index() == 0
+    run_dir, checkpoint_dir = run_directories(cfg)
+    log(f"run {cfg.run_name}: mesh {dict(mesh.shape)}, global batch {global_batch} x {cfg.max_target_length} "
+        f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
+
+    spec = state_spec(cfg, mesh)
+    checkpointer = Checkpointer(cfg, checkpoint_dir)
+    with jax.set_mesh(mesh):
+        state = initial_state(cfg, mesh, spec, checkpointer, log)
+        start = int(jax.device_get(state["step"]))
+        if start >= cfg.steps:
+            log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
+            checkpointer.close()
+            return None
+        data = SyntheticData(cfg, global_batch, jax.process_index(), jax.process_count())
+        batch_sharding = sharding.batch_sharding(mesh)
+        step_fn = jit_train_step(cfg, spec, batch_sharding)
+        writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary)
+        peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+        tokens_per_step = global_batch * cfg.max_target_length
+        progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
+                             dynamic_ncols=True, leave=False)
+        last_record, pending = None, None
+        last_done = time.perf_counter()
+
+        def finish(step, device_metrics):
+            """Waits for step's metrics (the next step is already dispatched) and logs them."""
+            nonlocal last_done, last_record
+            host = jax.device_get(device_metrics)
+            now = time.perf_counter()
+            step_time, last_done = now - last_done, now
+            progress.update(1)
+            if step % cfg.log_period and step != cfg.steps:
+                return
+            tps, tflops, mfu = metrics_lib.throughput(cfg, tokens_per_step, num_devices, step_time, peak)
+            host.update(step_time_s=step_time, tokens_per_s_per_device=tps, tflops_per_device=tflops, mfu=mfu)
+            last_record = writer.write(step, host)
+            progress.write(metrics_lib.console_line(last_record))
+
+        try:
+            for step in range(start, cfg.steps):
+                batch = jax.make_array_from_process_local_data(batch_sharding, data.batch(step))
+                state, step_metrics = step_fn(state, batch)
+                if pending is not None:
+                    finish(*pending)
+                pending = (step + 1, step_metrics)
+                if checkpointer.maybe_save(step + 1, state, last=step + 1 == cfg.steps):
+                    log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
+            finish(*pending)
+        finally:
+            progress.close()
+            writer.close()
+            checkpointer.close()
+    return last_record
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    apply_xla_flags(cfg)  # before anything starts the JAX backend
+    try:
+        maybe_initialize_distributed(cfg)
+        if cfg.run_name is None:
+            if _process_count_from_env() > 1:
+                raise ConfigError("run_name must be set for a multi-process run (each process would pick "
+                                  "a different timestamp); add run_name=<name>")
+            with cfg.unlocked():
+                cfg.run_name = time.strftime("run_%Y%m%d_%H%M%S")
+        train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

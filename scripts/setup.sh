@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Creates .venv/ in the repository root from a Python 3.12 interpreter (PATH first, then pyenv) and
+# installs requirements.txt into it. Reinstalls only when requirements.txt changed since the last
+# install, so calling it before every command costs well under a second.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.requirements.sha256"
+
+is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
+
+find_python() {
+  local cand
+  for cand in "${PYTHON:-}" python3.12 python3 python; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 && is_py312 "$(command -v "$cand")"; then
+      command -v "$cand"; return 0
+    fi
+  done
+  # A pyenv shim answers 'command not found' unless its version is selected, so ask pyenv directly.
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -t. -k3 -n -r); do
+      cand="$(pyenv root)/versions/$v/bin/python"
+      if is_py312 "$cand"; then echo "$cand"; return 0; fi
+    done
+  fi
+  return 1
+}
+
+if [ ! -x "$venv/bin/python" ] || ! is_py312 "$venv/bin/python"; then
+  if ! py="$(find_python)"; then
+    echo "setup: no Python 3.12 interpreter found (looked for python3.12/python3/python on PATH and in pyenv);" \
+         "install Python 3.12 or set PYTHON=/path/to/python3.12" >&2
+    exit 1
+  fi
+  echo "setup: creating $venv with $py" >&2
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+fi
+
+want="$(sha256sum "$root/requirements.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing requirements.txt into $venv" >&2
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/requirements.txt"
+  echo "$want" > "$stamp"
+fi
