@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -55,6 +54,7 @@ class Checkpointer:
 
 
 def _item_dir(path: str, key: str) -> str:
+    path = os.path.abspath(path)  # Orbax's OCDBT store needs absolute paths
     if not os.path.isdir(path):
         raise ConfigError(f"{key}={path} does not exist; point it at a checkpoint's item directory, "
                           "e.g. <run>/checkpoints/<step>/items")
@@ -79,6 +79,3 @@ def load_params(path: str, abstract_params):
             item={"params": abstract_params}, restore_args=restore_args, partial_restore=True))
     return restored["params"]
 
-
-def process_is_primary() -> bool:
-    return jax.process_index() == 0

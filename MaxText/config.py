@@ -116,20 +116,24 @@ def _key_type(key: str, default: Any) -> type:
     return type(default)
 
 
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
     """Parses `value` to the type of `default`; `origin` says where the value came from."""
     want = _key_type(key, default)
-    if value is None:
-        if default is None or key in OPTIONAL_KEY_TYPES:
-            return None
-        raise ConfigError(f"{key} ({origin}) cannot be null; give a {want.__name__}, e.g. {key}={default}")
-    if isinstance(value, str) and want is not str:
+    optional = key in OPTIONAL_KEY_TYPES
+    if isinstance(value, str) and (want is not str or (optional and value.strip() in ("null", "None", "~", ""))):
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError:
             pass
-        if value is None:
-            return _coerce(key, None, default, origin)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} ({origin}) cannot be null; give {_article(want.__name__)} {want.__name__}, "
+                          f"e.g. {key}={default}")
     ok = False
     if want is bool:
         ok = isinstance(value, bool)
@@ -138,17 +142,23 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             value, ok = int(value), True
     elif want is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif want is str:
-        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        # Scalars YAML typed otherwise (123, 2024-05-01) are still valid names and paths.
+        ok = not isinstance(value, (bool, list, dict))
         value = str(value) if ok else value
     elif want is list:
         ok = isinstance(value, list)
     if not ok:
-        raise ConfigError(
-            f"{key}={value!r} ({origin}) is not a valid {want.__name__}; "
-            f"use {'an' if want.__name__[0] in 'aeiou' else 'a'} {want.__name__} such as {key}={default if default is not None else '...'}")
+        example = default if default is not None else "..."
+        raise ConfigError(f"{key}={value!r} ({origin}) is not a valid {want.__name__}; "
+                          f"use {_article(want.__name__)} {want.__name__} such as {key}={example}")
     return value
 
 
@@ -187,7 +197,9 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     if model_name not in (None, "", "null"):
         model_path = os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
         if not os.path.isfile(model_path):
-            known = sorted(f[:-4] for f in os.listdir(os.path.join(CONFIG_DIR, "models")) if f.endswith(".yml"))
+            models_dir = os.path.join(CONFIG_DIR, "models")
+            known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) \
+                if os.path.isdir(models_dir) else []
             raise ConfigError(f"model_name={model_name}: no file {model_path}{_nearest(str(model_name), known)}")
         files.insert(0, (model_path, _read_yaml(model_path)))
 

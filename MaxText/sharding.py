@@ -48,7 +48,11 @@ def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
             raise ConfigError(
                 f"dcn_*_parallelism multiply to {math.prod(dcn)}, which does not divide the {num_devices} devices")
     ici = _fill("ici", cfg, num_devices // math.prod(dcn))
-    return {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)} | {"_dcn": tuple(dcn), "_ici": tuple(ici)}
+    shape = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
+    if cfg.num_experts > 1 and cfg.num_experts % shape["expert"]:
+        raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
+                          f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
+    return shape | {"_dcn": tuple(dcn), "_ici": tuple(ici)}
 
 
 def create_mesh(cfg, devices=None) -> Mesh:

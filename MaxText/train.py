@@ -43,7 +43,7 @@ def maybe_initialize_distributed(cfg) -> None:
 
 def run_directories(cfg) -> tuple[str, str]:
     """(run directory, checkpoint directory) as MaxText lays them out."""
-    run_dir = os.path.join(cfg.base_output_directory, cfg.run_name)
+    run_dir = os.path.abspath(os.path.join(cfg.base_output_directory, cfg.run_name))
     return run_dir, os.path.join(run_dir, "checkpoints")
 
 
@@ -66,8 +66,9 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
     return state
 
 
-def train(cfg, log=print) -> dict | None:
-    """Runs the training loop to cfg.steps; returns the last logged metrics record (None if no step ran)."""
+def train(cfg, log=print, devices=None) -> dict | None:
+    """Runs the training loop to cfg.steps on `devices` (default: all); returns the last logged metrics
+    record (None if no step ran)."""
     import jax
     import tqdm
 
@@ -77,7 +78,7 @@ def train(cfg, log=print) -> dict | None:
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
-    mesh = sharding.create_mesh(cfg)
+    mesh = sharding.create_mesh(cfg, devices)
     num_devices = mesh.devices.size
     global_batch = global_batch_size(cfg, num_devices)
     sharding.check_batch(cfg, mesh, global_batch)

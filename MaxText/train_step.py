@@ -37,7 +37,7 @@ def train_step(state, batch, *, graphdef, cfg, tx):
         "loss": loss,
         "lm_loss": aux["lm_loss"],
         "moe_aux_loss": aux["moe_aux_loss"],
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(cfg)(state["step"]),
     }
     if aux["moe"]:

@@ -8,6 +8,7 @@ token because a token picks distinct experts. Dropped token-slots contribute not
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,9 @@ def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> 
     """Slots per expert per group: ceil(S*K/E * factor), at most S; S when uncapped."""
     if capacity_factor is None:
         return group_size
-    return max(1, min(group_size, math.ceil(group_size * top_k / num_experts * capacity_factor)))
+    # Exact arithmetic: in floats 50 * 1.1 = 55.000000000000007 would ceil to 56.
+    slots = Fraction(group_size * top_k, num_experts) * Fraction(str(capacity_factor))
+    return max(1, min(group_size, math.ceil(slots)))
 
 
 def dispatch_masks(experts_GSK, weights_GSK, num_experts: int, cap: int):

@@ -1,0 +1,140 @@
+"""The train loop end to end: meshes, falling loss, outputs, resume, and starting from a checkpoint."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import checkpointing, sharding
+from MaxText.config import load_config
+from MaxText.state import state_spec
+from MaxText.train import train
+from tests.tiny import TINY
+
+QUIET = dict(log=lambda *_: None)
+
+
+def run(tmp_path, *overrides, base=TINY, devices=None):
+    """Trains with `overrides` under tmp_path and returns the metrics records written by this run."""
+    cfg = load_config(list(base) + [f"base_output_directory={tmp_path}", "log_period=1", *overrides])
+    path = os.path.join(str(tmp_path), cfg.run_name, "metrics", "metrics.jsonl")
+    before = sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    train(cfg, devices=devices, **QUIET)
+    with open(path) as f:
+        return [json.loads(line) for line in f][before:]
+
+
+def losses(records):
+    return np.array([r["loss"] for r in records])
+
+
+MESHES = {
+    "data8": ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"],
+    "fsdp8": ["ici_fsdp_parallelism=8"],
+    "fsdp2_expert4": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"],
+    "data2_fsdp2_tensor2": ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_device_losses(tmp_path_factory):
+    """Three steps on a 1-device mesh: the numbers every mesh must reproduce."""
+    tmp = tmp_path_factory.mktemp("one")
+    cfg = load_config(TINY + [f"base_output_directory={tmp}", "run_name=one", "log_period=1", "steps=3",
+                              "enable_checkpointing=false", "per_device_batch_size=8"])
+    train(cfg, devices=jax.devices()[:1], **QUIET)
+    with open(os.path.join(str(tmp), "one", "metrics", "metrics.jsonl")) as f:
+        return losses([json.loads(line) for line in f])
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_train_step_runs_on_mesh_and_matches_one_device(mesh, tmp_path, single_device_losses):
+    """Same data and init on every mesh: the first 3 losses equal the single-device run's."""
+    records = run(tmp_path, f"run_name={mesh}", "steps=3", "enable_checkpointing=false",
+                  "per_device_batch_size=1", *MESHES[mesh])
+    np.testing.assert_allclose(losses(records), single_device_losses, rtol=2e-5, err_msg=f"mesh {mesh}")
+
+
+def test_params_are_created_sharded():
+    """Expert weights split over `expert`, dense weights over `fsdp`; no param is whole on every device."""
+    cfg = load_config(TINY + MESHES["fsdp2_expert4"])
+    mesh = sharding.create_mesh(cfg)
+    spec = state_spec(cfg, mesh)
+    params = spec.shardings["params"]
+    wi_0 = params["moe_layers"]["layers"]["moe"]["wi_0"]
+    assert wi_0.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor"), wi_0.spec
+    wq = params["dense_layers"]["layers"]["self_attention"]["wq"]
+    assert wq.spec[1] == ("fsdp", "expert"), wq.spec
+    # The optimizer moments follow the params.
+    mu = spec.shardings["opt_state"][1][0].mu["moe_layers"]["layers"]["moe"]["wi_0"]
+    assert mu.spec == wi_0.spec, mu.spec
+
+
+def test_default_config_loss_falls_and_outputs_are_written(tmp_path, monkeypatch):
+    """40 steps of configs/base.yml on one device (as the README's run on a plain CPU) learn the synthetic
+    process: the loss falls from about ln(512) = 6.2 to well under 4. Metrics, TensorBoard events and
+    (async) checkpoints land where MaxText puts them, under the default relative `outputs` directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["steps=40", "run_name=default", "checkpoint_period=20", "log_period=1"])
+    assert cfg.base_output_directory == "outputs" and cfg.async_checkpointing
+    train(cfg, devices=jax.devices()[:1], **QUIET)
+    tmp_path = tmp_path / "outputs"
+    with open(tmp_path / "default" / "metrics" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    loss = losses(records)
+    assert loss[0] > 5.5, loss[:3]
+    assert loss[-5:].mean() < 4.0, f"loss did not fall: first {loss[:3]}, last {loss[-5:]}"
+    for key in ("step", "loss", "lm_loss", "moe_aux_loss", "grad_norm", "learning_rate", "step_time_s",
+                "tokens_per_s_per_device", "tflops_per_device", "mfu"):
+        assert key in records[-1], key
+    assert records[-1]["mfu"] is None  # no known peak for a CPU
+    assert records[-1]["tflops_per_device"] > 0
+    run_dir = tmp_path / "default"
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir / "tensorboard"))
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["20", "40"]
+    assert os.path.isdir(run_dir / "checkpoints" / "40" / "items")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Six steps in one go, checkpointing every 3 steps (the source for the load_* tests)."""
+    tmp = tmp_path_factory.mktemp("full")
+    return tmp, run(tmp, "run_name=full", "steps=6", "checkpoint_period=3", "learning_rate_schedule_steps=6")
+
+
+def test_stop_and_rerun_continues_exactly(tmp_path, uninterrupted):
+    """Stopping after 3 steps and rerunning the same run_name gives the uninterrupted run's losses."""
+    _, full = uninterrupted
+    # The schedule's length is pinned: by default it follows `steps`, which differs between the two calls.
+    first = run(tmp_path, "run_name=split", "steps=3", "checkpoint_period=3", "learning_rate_schedule_steps=6")
+    second = run(tmp_path, "run_name=split", "steps=6", "checkpoint_period=3", "learning_rate_schedule_steps=6")
+    assert [r["step"] for r in first + second] == list(range(1, 7))
+    np.testing.assert_allclose(losses(first + second), losses(full), rtol=1e-6)
+    assert run(tmp_path, "run_name=split", "steps=6") == [], "a finished run must not train again"
+
+
+def test_load_full_state_path_continues_the_source_run(tmp_path, uninterrupted):
+    source, full = uninterrupted
+    records = run(tmp_path, "run_name=from_full", "steps=6",
+                  f"load_full_state_path={source}/full/checkpoints/3/items", "learning_rate_schedule_steps=6")
+    assert [r["step"] for r in records] == [4, 5, 6]
+    np.testing.assert_allclose(losses(records), losses(full)[3:], rtol=1e-6)
+
+
+def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
+    """Params equal the checkpoint's; training starts at step 0 with a fresh optimizer."""
+    source, full = uninterrupted
+    item = f"{source}/full/checkpoints/3/items"
+    cfg = load_config(TINY)
+    spec = state_spec(cfg, sharding.create_mesh(cfg))
+    params = checkpointing.load_params(item, spec.abstract["params"])
+    saved = checkpointing.load_full_state(item, spec.abstract)
+    jax.tree.map(np.testing.assert_array_equal, params, saved["params"])
+
+    records = run(tmp_path, "run_name=from_params", "steps=2", f"load_parameters_path={item}")
+    assert [r["step"] for r in records] == [1, 2]
+    fresh = run(tmp_path, "run_name=fresh", "steps=1", "enable_checkpointing=false")
+    assert records[0]["loss"] < fresh[0]["loss"] - 0.05, (records[0]["loss"], fresh[0]["loss"])
