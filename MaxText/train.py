@@ -140,6 +140,9 @@ def train(cfg, log=print, devices=None) -> dict | None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\nEvery key, with its default and meaning: configs/base.yml")
+        return 0
     try:
         cfg = load_config(argv)
     except ConfigError as e:
