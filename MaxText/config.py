@@ -13,6 +13,7 @@ naming the keys. Loading touches no JAX device, network or output directory.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -35,7 +36,15 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "max_num_checkpoints_to_keep": int,
     "load_parameters_path": str,
     "load_full_state_path": str,
+    "ragged_buffer_factor": float,
+    "n_routing_groups": int,
+    "topk_routing_group": int,
+    "te_moe_block": bool,
+    "sparse_matmul": bool,
 }
+
+# Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
+MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group")
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 MOE_IMPLS = ("dense", "ragged", "te_dropless")
@@ -51,6 +60,10 @@ REMAT_TENSOR_NAMES = (
 DTYPES = ("float32", "bfloat16", "float16")
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
 DATASET_TYPES = ("synthetic",)
+TE_KERNELS = ("auto", "reference")
+TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
+ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
+LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 
 
 class ConfigError(ValueError):
@@ -206,11 +219,34 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     for path, layer in files:
         _merge(values, layer, defaults, f"in {path}")
     _merge(values, overrides, defaults, "on the command line")
+    explicit_moe_impl = "moe_impl" in overrides or any("moe_impl" in layer for _, layer in files)
+    _map_upstream_spellings(values, explicit_moe_impl)
+    for key in MINUS_ONE_IS_UNSET:
+        if values[key] == -1:
+            values[key] = None
 
     cfg = ml_collections.ConfigDict(values, type_safe=False)
     validate(cfg)
     cfg.lock()
     return cfg
+
+
+def _map_upstream_spellings(values: dict[str, Any], explicit_moe_impl: bool) -> None:
+    """te_moe_block=true -> moe_impl=te_dropless; sparse_matmul=true|false -> ragged|dense (with a log line)."""
+    mapped = None
+    if values["te_moe_block"]:
+        mapped = ("te_moe_block=true", "te_dropless")
+    elif values["sparse_matmul"] is not None:
+        mapped = (f"sparse_matmul={str(values['sparse_matmul']).lower()}",
+                  "ragged" if values["sparse_matmul"] else "dense")
+    if mapped is None:
+        return
+    spelling, impl = mapped
+    if explicit_moe_impl and values["moe_impl"] != impl:
+        raise ConfigError(f"{spelling} means moe_impl={impl}, but moe_impl={values['moe_impl']} is also set; "
+                          "keep only moe_impl")
+    logging.warning("config: %s is MaxText's spelling of moe_impl=%s; using moe_impl=%s", spelling, impl, impl)
+    values["moe_impl"] = impl
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -220,7 +256,9 @@ def check_choices(cfg) -> None:
     """Keys with a fixed set of values."""
     choices = {
         "moe_impl": MOE_IMPLS, "remat_policy": REMAT_POLICIES, "dtype": DTYPES, "weight_dtype": DTYPES,
-        "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",),
+        "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",), "te_kernels": TE_KERNELS,
+        "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
+        "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES,
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
     for key, allowed in choices.items():
@@ -228,12 +266,42 @@ def check_choices(cfg) -> None:
             raise ConfigError(f"{key}={cfg[key]} is not one of {', '.join(allowed)}")
 
 
-def check_moe_impl_available(cfg) -> None:
-    """Only `dense` is built so far; the dropless impls arrive with the dropless-MoE work."""
-    if cfg.moe_impl != "dense":
-        raise ConfigError(
-            f"moe_impl={cfg.moe_impl} is not available in this version (the dropless MoE is not built yet); "
-            "use moe_impl=dense, with capacity_factor unset for no dropped tokens")
+def check_te_options(cfg) -> None:
+    """FP8/MXFP8 grouped GEMMs exist only on the Transformer Engine path."""
+    if cfg.te_gmm_quantization != "none" and cfg.moe_impl != "te_dropless":
+        raise ConfigError(f"te_gmm_quantization={cfg.te_gmm_quantization} applies to moe_impl=te_dropless only "
+                          f"(moe_impl={cfg.moe_impl}); set te_gmm_quantization=none or moe_impl=te_dropless")
+    if cfg.moe_impl == "te_dropless" and cfg.routed_score_func == "sigmoid" and not cfg.norm_topk_prob:
+        raise ConfigError("moe_impl=te_dropless with routed_score_func=sigmoid needs norm_topk_prob=true: TE's fused "
+                          "router always renormalises sigmoid weights (as DeepSeek-V3 does)")
+
+
+def check_router(cfg) -> None:
+    """Group-limited routing, the selection bias and the router losses."""
+    groups, keep = cfg.n_routing_groups, cfg.topk_routing_group
+    if (groups is None) != (keep is None):
+        raise ConfigError("set both n_routing_groups and topk_routing_group (group-limited routing), or neither")
+    if groups is not None:
+        if groups < 1 or cfg.num_experts % groups:
+            raise ConfigError(f"n_routing_groups={groups} must divide num_experts={cfg.num_experts}")
+        if not 1 <= keep <= groups:
+            raise ConfigError(f"topk_routing_group={keep} must be between 1 and n_routing_groups={groups}")
+        if cfg.num_experts_per_tok > keep * (cfg.num_experts // groups):
+            raise ConfigError(
+                f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in the kept groups "
+                f"(topk_routing_group={keep} x {cfg.num_experts // groups}); raise topk_routing_group")
+    if cfg.routed_bias and cfg.routed_score_func != "sigmoid":
+        raise ConfigError("routed_bias=true needs routed_score_func=sigmoid: the aux-loss-free bias (DeepSeek-V3) "
+                          "shifts independent sigmoid scores; with softmax it would also rescale the others")
+    if cfg.routed_bias_update_rate < 0:
+        raise ConfigError(f"routed_bias_update_rate={cfg.routed_bias_update_rate} must not be negative")
+    if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
+        raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (there is no bias to update)")
+    if cfg.router_z_loss_weight < 0:
+        raise ConfigError(f"router_z_loss_weight={cfg.router_z_loss_weight} must not be negative")
+    if cfg.ragged_buffer_factor is not None and not cfg.ragged_buffer_factor > 0:
+        raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} must be > 0, or null for the "
+                          "dropless worst case")
 
 
 def check_positive(cfg) -> None:
@@ -318,7 +386,7 @@ def check_checkpoint_sources(cfg) -> None:
         raise ConfigError("set only one of load_parameters_path and load_full_state_path")
 
 
-CHECKS = (check_choices, check_moe_impl_available, check_positive, check_attention_heads, check_layers,
+CHECKS = (check_choices, check_te_options, check_router, check_positive, check_attention_heads, check_layers,
           check_experts, check_parallelism, check_logical_axis_rules, check_checkpoint_sources)
 
 

@@ -72,7 +72,8 @@ class MetricsWriter:
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def write(self, step: int, metrics: dict) -> dict:
-        """Writes the metrics of `step`; arrays become lists in JSON and histograms in TensorBoard."""
+        """Writes the metrics of `step`. Arrays become lists in JSON; in TensorBoard a per-layer array [L]
+        becomes scalars `<key>/layer_<i>` and a per-layer per-expert array [L, E] one histogram per layer."""
         record = {"step": int(step), **{key: _scalar(v) for key, v in metrics.items()}}
         if not self.primary:
             return record
@@ -82,10 +83,14 @@ class MetricsWriter:
             for key, value in record.items():
                 if key == "step" or value is None:
                     continue
-                if isinstance(value, list):
-                    self.tb.add_histogram(key, np.asarray(value), step)
-                else:
+                if not isinstance(value, list):
                     self.tb.add_scalar(key, value, step)
+                    continue
+                for layer, row in enumerate(value):
+                    if isinstance(row, list):
+                        self.tb.add_histogram(f"{key}/layer_{layer}", np.asarray(row), step)
+                    else:
+                        self.tb.add_scalar(f"{key}/layer_{layer}", row, step)
             self.tb.flush()
         return record
 
@@ -96,14 +101,23 @@ class MetricsWriter:
                 self.tb.close()
 
 
+def _summary(value, reduce):
+    return None if value is None else reduce(np.asarray(value))
+
+
 def console_line(record: dict) -> str:
-    """MaxText's log line: completed step, seconds, TFLOP/s/device, Tokens/s/device, losses."""
+    """MaxText's log line: completed step, seconds, TFLOP/s/device, Tokens/s/device, losses, and a summary
+    of the MoE layers (worst expert imbalance, mean dropped fraction, total overflow)."""
+    record = {**record, "imbalance": _summary(record.get("moe_load_max_over_mean"), np.max),
+              "dropped": _summary(record.get("moe_dropped_fraction"), np.mean),
+              "overflow": _summary(record.get("moe_overflow"), np.sum)}
     parts = [f"completed step: {record['step']}"]
     for key, label, fmt in (("step_time_s", "seconds", ".3f"), ("tflops_per_device", "TFLOP/s/device", ".3f"),
                             ("tokens_per_s_per_device", "Tokens/s/device", ".1f"), ("mfu", "MFU", ".2%"),
                             ("loss", "loss", ".4f"), ("lm_loss", "lm_loss", ".4f"),
                             ("moe_aux_loss", "moe_lb_loss", ".4f"), ("grad_norm", "grad_norm", ".3f"),
-                            ("learning_rate", "lr", ".3e"), ("moe_dropped_fraction", "dropped", ".3f")):
+                            ("learning_rate", "lr", ".3e"), ("imbalance", "max/mean expert load", ".2f"),
+                            ("dropped", "dropped", ".3f"), ("overflow", "overflow", ".0f")):
         if record.get(key) is not None:
             parts.append(f"{label}: {record[key]:{fmt}}")
     return ", ".join(parts)

@@ -1,4 +1,8 @@
-"""The train state {step, params, opt_state}: its abstract shape, its shardings, and its sharded creation."""
+"""The train state {step, params, opt_state[, nnx_aux]}: its abstract shape, shardings and sharded creation.
+
+`nnx_aux` holds the model's non-parameter state (the MoE routing biases), present only when the model
+has any; like MaxText, it sits beside the params in checkpoints and is never touched by the optimizer.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from MaxText import sharding
 from MaxText.layers.models import Transformer
+from MaxText.layers.moe.block import MoeBias
 from MaxText.optimizers import optimizer
 
 
@@ -25,7 +30,11 @@ class StateSpec(NamedTuple):
 def _new_state(cfg, rules, tx, key):
     model = Transformer(cfg, rules, rngs=nnx.Rngs(params=key))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    aux = nnx.to_pure_dict(nnx.state(model, MoeBias))
+    if aux:
+        state["nnx_aux"] = aux
+    return state
 
 
 def state_spec(cfg, mesh: Mesh) -> StateSpec:
@@ -33,9 +42,8 @@ def state_spec(cfg, mesh: Mesh) -> StateSpec:
     rules = sharding.axis_rules(cfg)
     tx = optimizer(cfg)
     model = nnx.eval_shape(lambda: Transformer(cfg, rules, rngs=nnx.Rngs(0)))
-    graphdef, param_vars = nnx.split(model, nnx.Param)
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(param_vars))
-    param_shardings = sharding.logical_sharding(logical, mesh, rules)
+    graphdef, param_vars, aux_vars = nnx.split(model, nnx.Param, MoeBias)
+    param_shardings = sharding.logical_sharding(nnx.to_pure_dict(nnx.get_partition_spec(param_vars)), mesh, rules)
     abstract = jax.eval_shape(lambda k: _new_state(cfg, rules, tx, k), jax.random.key(0))
     replicated = NamedSharding(mesh, P())
     # Optimizer moments mirror the params and take their shardings; counters are replicated.
@@ -43,6 +51,9 @@ def state_spec(cfg, mesh: Mesh) -> StateSpec:
         tx, lambda _, s: s, abstract["opt_state"], param_shardings,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    if "nnx_aux" in abstract:
+        shardings["nnx_aux"] = sharding.logical_sharding(
+            nnx.to_pure_dict(nnx.get_partition_spec(aux_vars)), mesh, rules)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return StateSpec(graphdef, abstract, shardings, tx)
 

@@ -75,9 +75,11 @@ def train(cfg, log=print, devices=None) -> dict | None:
     from MaxText import metrics as metrics_lib, sharding
     from MaxText.checkpointing import Checkpointer
     from MaxText.data.synthetic import SyntheticData
+    from MaxText.layers.moe.te_kernels import check_available
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
+    check_available(cfg)  # te_dropless: TE and a suitable GPU, before anything is built
     mesh = sharding.create_mesh(cfg, devices)
     num_devices = mesh.devices.size
     global_batch = global_batch_size(cfg, num_devices)

@@ -9,41 +9,65 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from MaxText.layers.models import update_moe_bias
 from MaxText.optimizers import learning_rate_schedule
 
 
-def loss_fn(params, batch, graphdef, cfg):
-    """Token-mean cross-entropy over real target tokens plus the weighted MoE load-balance loss.
+def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
+    """Token-mean cross-entropy over real target tokens plus the weighted MoE load-balance and z losses.
 
-    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe stats per MoE layer}.
+    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, moe stats per MoE layer}.
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
     logits_BLV, moe_stats = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     lm_loss = jnp.sum(xent_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
     # Summed over MoE layers: each layer's router is balanced on its own.
     moe_aux = cfg.load_balance_loss_weight * jnp.sum(moe_stats["lb_loss"]) if moe_stats else jnp.zeros(())
-    return lm_loss + moe_aux, {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe": moe_stats}
+    z_loss = cfg.router_z_loss_weight * jnp.sum(moe_stats["z_loss"]) if moe_stats else jnp.zeros(())
+    return lm_loss + moe_aux + z_loss, {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe_z_loss": z_loss,
+                                        "moe": moe_stats}
+
+
+def moe_metrics(stats) -> dict:
+    """Expert-load statistics per MoE layer (arrays over layers; expert_load is [layers, E])."""
+    load_LE = stats["load_E"]
+    mean_L = jnp.mean(load_LE, axis=-1)
+    return {
+        "moe_expert_load": load_LE,
+        "moe_load_max_over_mean": jnp.max(load_LE, axis=-1) / jnp.maximum(mean_L, 1e-9),
+        "moe_load_min": jnp.min(load_LE, axis=-1),
+        "moe_load_max": jnp.max(load_LE, axis=-1),
+        "moe_router_entropy": stats["entropy"],
+        "moe_dropped_fraction": stats["dropped_fraction"],
+        "moe_overflow": stats["overflow"],
+        "moe_bias_abs_mean": stats["bias_abs_mean"],
+    }
 
 
 def train_step(state, batch, *, graphdef, cfg, tx):
     """(state, batch) -> (new state, metrics). Pure; jit it with the state donated."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, cfg=cfg), has_aux=True)
+    nnx_aux = state.get("nnx_aux")
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux),
+                                 has_aux=True)
     (loss, aux), grads = grad_fn(state["params"], batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+                 "opt_state": opt_state}
+    if nnx_aux:  # aux-loss-free balancing: the bias follows this step's measured load, outside the optimizer
+        new_state["nnx_aux"] = update_moe_bias(nnx_aux, aux["moe"]["load_E"], cfg.routed_bias_update_rate)
     metrics = {
         "loss": loss,
         "lm_loss": aux["lm_loss"],
         "moe_aux_loss": aux["moe_aux_loss"],
+        "moe_z_loss": aux["moe_z_loss"],
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(cfg)(state["step"]),
     }
     if aux["moe"]:
-        metrics["moe_dropped_fraction"] = jnp.mean(aux["moe"]["dropped_fraction"])
-        metrics["moe_expert_load"] = aux["moe"]["load_E"]  # [MoE layers, E] token-slots per expert
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        metrics.update(moe_metrics(aux["moe"]))
+    return new_state, metrics
 
 
 def jit_train_step(cfg, spec, batch_sharding):

@@ -27,19 +27,16 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(d, cfg.base_mlp_dim, rules=rules, **kw)
         self.is_moe = moe
-        self.num_experts = cfg.num_experts
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        """Returns the new residual stream and this layer's MoE stats (zeros for a dense layer)."""
+        """Returns the new residual stream and this layer's MoE stats ({} for a dense layer)."""
         h = self.self_attention(self.pre_self_attention_norm(x_BLD), positions_BL, segment_ids_BL)
         x_BLD = x_BLD + h
         normed = self.post_self_attention_norm(x_BLD)
         if self.is_moe:
             h, stats = self.moe(normed)
         else:
-            h = self.mlp(normed)
-            stats = {"lb_loss": jnp.zeros((), jnp.float32), "load_E": jnp.zeros((self.num_experts,), jnp.float32),
-                     "dropped_fraction": jnp.zeros((), jnp.float32)}
+            h, stats = self.mlp(normed), {}
         return x_BLD + h, stats
 
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 from MaxText.layers.decoder import LayerStack, remat_policy
 from MaxText.layers.embed import Embed
+from MaxText.layers.moe.router import bias_update
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import dtype_of
 
@@ -45,3 +46,14 @@ class Transformer(nnx.Module):
         if self.num_moe:
             x, stats = self.moe_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
         return self.token_embedder.logits(self.decoder_norm(x)), stats
+
+
+def update_moe_bias(aux: dict, load_LE, rate: float) -> dict:
+    """Moves every MoE layer's routing bias (in the pure-dict model state `aux`) by its layer's load [L, E]."""
+    stack = aux["moe_layers"]
+    if "layers" in stack:  # scanned: one bias array [L, E]
+        bias = stack["layers"]["moe"]["bias"]
+        return {**aux, "moe_layers": {"layers": {"moe": {"bias": bias_update(bias, load_LE, rate)}}}}
+    return {**aux, "moe_layers": {
+        name: {"moe": {"bias": bias_update(layer["moe"]["bias"], load_LE[int(name.split("_")[1])], rate)}}
+        for name, layer in stack.items()}}

@@ -1,13 +1,14 @@
-"""The MoE layer module: router gate and expert weights, computed by the impl `moe_impl` names."""
+"""The MoE layer module: router gate, selection bias and expert weights, computed by the impl `moe_impl` names."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.layers.moe import dense
+from MaxText.layers.moe import dense, ragged, te_dropless
 from MaxText.layers.moe.router import route
 from MaxText.layers.params import fan_in_init, param
 from MaxText.sharding import constrain
@@ -19,8 +20,16 @@ class ExpertWeights(NamedTuple):
     wo_EFD: jax.Array
 
 
-# moe_impl -> moe_ffn(x_TD, routing, ExpertWeights, cfg, rules) -> (y_TD, stats)
-MOE_FFNS = {"dense": dense.moe_ffn}
+class MoeBias(nnx.Variable):
+    """The aux-loss-free routing bias: state, not a parameter. The optimizer never sees it; the train step
+    moves it by routed_bias_update_rate from the measured load, and checkpoints save it."""
+
+
+# moe_impl -> moe_ffn(x_TD, routing, ExpertWeights, cfg, rules) -> (y_TD, stats with IMPL_STATS keys)
+MOE_FFNS = {"dense": dense.moe_ffn, "ragged": ragged.moe_ffn, "te_dropless": te_dropless.moe_ffn}
+# moe_impl -> route(x_TD, gate_DE, bias_E, cfg); te_dropless selects experts with its kernel set's router.
+ROUTERS = {"te_dropless": te_dropless.route}
+IMPL_STATS = ("dropped_fraction", "overflow")
 
 
 class MoeBlock(nnx.Module):
@@ -33,16 +42,23 @@ class MoeBlock(nnx.Module):
         self.wi_0 = param(rngs, fan_in_init(1, 2, 0), (e, d, f), ("exp", "embed", "mlp"), weight_dtype)
         self.wi_1 = param(rngs, fan_in_init(1, 2, 0), (e, d, f), ("exp", "embed", "mlp"), weight_dtype)
         self.wo = param(rngs, fan_in_init(1, 2, 0), (e, f, d), ("exp", "mlp", "embed"), weight_dtype)
+        if cfg.routed_bias:
+            self.bias = MoeBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
         self.cfg = cfg
         self.rules = rules
 
     def __call__(self, x_BLD):
-        """Returns y_BLD and per-layer stats: lb_loss, load_E, dropped_fraction."""
+        """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean, IMPL_STATS."""
         b, l, d = x_BLD.shape
         x_TD = x_BLD.reshape(b * l, d)
-        routing = route(x_TD, self.gate[...], self.cfg)
+        bias = self.bias[...] if self.cfg.routed_bias else None
+        routing = ROUTERS.get(self.cfg.moe_impl, route)(x_TD, self.gate[...], bias, self.cfg)
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
-        y_TD, stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
+        y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
                           self.rules)
-        return y_BLD, {"lb_loss": routing.lb_loss, "load_E": routing.load_E, **stats}
+        stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
+                 "entropy": routing.entropy,
+                 "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
+        stats.update({k: jnp.asarray(impl_stats.get(k, 0.0), jnp.float32) for k in IMPL_STATS})
+        return y_BLD, stats

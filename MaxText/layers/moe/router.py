@@ -1,4 +1,11 @@
-"""Token -> expert routing shared by every MoE implementation: softmax top-k and the load-balance loss."""
+"""Token -> expert routing, shared by every MoE implementation.
+
+Scores are softmax or sigmoid of the gate logits (float32). An optional per-expert bias (DeepSeek-V3's
+aux-loss-free balancing) is added for *selection only*; the combine weights are the unbiased scores of
+the chosen experts, optionally renormalised (norm_topk_prob) and scaled (routed_scaling_factor).
+Group-limited routing first keeps each token's best `topk_routing_group` of `n_routing_groups` expert
+groups, a group scored by the sum of its best K // topk_routing_group (biased) scores.
+"""
 
 from __future__ import annotations
 
@@ -11,27 +18,73 @@ import jax.numpy as jnp
 class Routing(NamedTuple):
     weights_TK: jax.Array   # float32 combine weight of each chosen expert
     experts_TK: jax.Array   # int32 chosen expert ids, distinct per token, best first
-    probs_TE: jax.Array     # float32 router probabilities over all experts
-    lb_loss: jax.Array      # scalar load-balance loss (unweighted; 1.0 when perfectly balanced)
+    lb_loss: jax.Array      # scalar load-balance loss, unweighted (1.0 when perfectly balanced)
+    z_loss: jax.Array       # scalar router z-loss mean(logsumexp(logits)^2), unweighted
     load_E: jax.Array       # float32 token-slots assigned to each expert
+    entropy: jax.Array      # scalar mean entropy of the per-token expert distribution (nats)
 
 
-def route(x_TD, gate_DE, cfg) -> Routing:
-    """Softmax over expert logits (float32), top-k, optional renormalisation of the k weights."""
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
-    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    weights_TK, experts_TK = jax.lax.top_k(probs_TE, cfg.num_experts_per_tok)
+def expert_scores(logits_TE, score_func: str):
+    """Per-expert scores: softmax probabilities, or independent sigmoids."""
+    if score_func == "softmax":
+        return jax.nn.softmax(logits_TE, axis=-1)
+    return jax.nn.sigmoid(logits_TE)
+
+
+def select_experts(scores_TE, bias_E, cfg):
+    """(weights_TK, experts_TK): top-k on scores + bias within the kept groups; weights from unbiased scores."""
+    k = cfg.num_experts_per_tok
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
+    if cfg.n_routing_groups is not None:
+        t, e = choice_TE.shape
+        grouped = choice_TE.reshape(t, cfg.n_routing_groups, e // cfg.n_routing_groups)
+        per_group = max(1, k // cfg.topk_routing_group)
+        group_score_TG = jnp.sum(jax.lax.top_k(grouped, per_group)[0], axis=-1)
+        _, kept_groups = jax.lax.top_k(group_score_TG, cfg.topk_routing_group)
+        kept_TG = jnp.sum(jax.nn.one_hot(kept_groups, cfg.n_routing_groups, dtype=jnp.int32), axis=1) > 0
+        choice_TE = jnp.where(jnp.repeat(kept_TG, e // cfg.n_routing_groups, axis=1), choice_TE, -jnp.inf)
+    _, experts_TK = jax.lax.top_k(choice_TE, k)
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if cfg.norm_topk_prob:
-        weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
-    num_experts = gate_DE.shape[-1]
-    load_E = jnp.sum(jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.float32), axis=(0, 1))
-    return Routing(weights_TK, experts_TK.astype(jnp.int32), probs_TE,
-                   load_balance_loss(load_E, probs_TE), load_E)
+        weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+    return weights_TK * cfg.routed_scaling_factor, experts_TK.astype(jnp.int32)
 
 
-def load_balance_loss(load_E, probs_TE):
-    """Switch-Transformer loss E * sum_e f_e * p_e, with f_e the fraction of token-slots sent to expert e
-    and p_e its mean router probability; 1.0 at a perfectly uniform routing."""
-    num_experts = probs_TE.shape[-1]
-    fraction_E = load_E / jnp.sum(load_E)
-    return num_experts * jnp.sum(fraction_E * jnp.mean(probs_TE, axis=0))
+def load_balance_loss(experts_TK, probs_TE, num_sequences: int = 1):
+    """Switch-Transformer loss E * sum_e f_e * p_e: f_e the fraction of token-slots sent to expert e, p_e
+    its mean probability. Computed per sequence and averaged when num_sequences > 1 (DeepSeek-V3's
+    sequence-wise variant); 1.0 at perfectly uniform routing either way."""
+    t, e = probs_TE.shape
+    onehot = jax.nn.one_hot(experts_TK, e, dtype=jnp.float32).sum(axis=1).reshape(num_sequences, t // num_sequences, e)
+    fraction_SE = onehot.sum(axis=1) / jnp.sum(onehot, axis=(1, 2))[:, None]
+    mean_prob_SE = probs_TE.reshape(num_sequences, t // num_sequences, e).mean(axis=1)
+    return e * jnp.mean(jnp.sum(fraction_SE * mean_prob_SE, axis=-1))
+
+
+def route(x_TD, gate_DE, bias_E, cfg, topk=None) -> Routing:
+    """Routes the T tokens of x (whole sequences of cfg.max_target_length tokens, in order).
+
+    `topk(logits_TE, bias_E, cfg) -> (weights_TK, experts_TK)` replaces the selection (the te_dropless
+    path passes Transformer Engine's fused router, which has these semantics); losses and statistics
+    are computed here either way.
+    """
+    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
+    scores_TE = expert_scores(logits_TE, cfg.routed_score_func)
+    if topk is None:
+        weights_TK, experts_TK = select_experts(scores_TE, bias_E, cfg)
+    else:
+        weights_TK, experts_TK = topk(logits_TE, bias_E, cfg)
+    # The balance loss and the entropy read a distribution over experts: sigmoid scores are normalised.
+    probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+    t = x_TD.shape[0]
+    per_sequence = cfg.load_balance_loss_type == "sequence" and t % cfg.max_target_length == 0
+    lb_loss = load_balance_loss(experts_TK, probs_TE, t // cfg.max_target_length if per_sequence else 1)
+    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    entropy = -jnp.mean(jnp.sum(probs_TE * jnp.log(jnp.maximum(probs_TE, 1e-30)), axis=-1))
+    load_E = jnp.sum(jax.nn.one_hot(experts_TK, gate_DE.shape[-1], dtype=jnp.float32), axis=(0, 1))
+    return Routing(weights_TK, experts_TK, lb_loss, z_loss, load_E, entropy)
+
+
+def bias_update(bias_E, load_E, rate: float):
+    """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the over-loaded ones."""
+    return bias_E + rate * jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)

@@ -1,0 +1,139 @@
+"""`moe_impl=ragged`: pure-JAX dropless MoE.
+
+Per device: sort the token-slots by expert, run the three expert matmuls as grouped GEMMs over the
+contiguous expert groups, unsort, and sum each token's K outputs weighted by the router. With expert
+parallelism (mesh axis `expert` > 1) the sorted slots first travel to the device that holds their
+expert and come back after the GEMMs (dispatch / combine, see ep.py). Nothing is dropped unless a
+ragged_buffer_factor smaller than the worst case is set, and then every dropped slot is counted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from MaxText.config import ConfigError
+from MaxText.layers.moe import ep
+from MaxText.layers.moe.gmm import grouped_matmul
+from MaxText.layers.moe.router import Routing
+from MaxText.sharding import logical_to_spec
+
+
+def sort_by_expert(experts_S, num_experts: int):
+    """(order_S, group_sizes_E): a stable permutation that sorts slots by expert id, and the group sizes.
+    Ids >= num_experts (padding) sort last and are not counted."""
+    order_S = jnp.argsort(experts_S, stable=True)
+    group_sizes_E = jnp.sum(jax.nn.one_hot(experts_S, num_experts, dtype=jnp.int32), axis=0)
+    return order_S, group_sizes_E
+
+
+def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD):
+    """SwiGLU of each contiguous expert group; rows past sum(group_sizes) come out as 0."""
+    dt = x_GD.dtype
+    gate = checkpoint_name(grouped_matmul(x_GD, wi_0_EDF.astype(dt), group_sizes_E), "moe_mlpwi_0")
+    up = checkpoint_name(grouped_matmul(x_GD, wi_1_EDF.astype(dt), group_sizes_E), "moe_mlpwi_1")
+    h = jax.nn.silu(gate) * up
+    return checkpoint_name(grouped_matmul(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
+
+
+def sorted_ffn(x_SD, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD):
+    """expert_ffn(x) for slots in any order: sort by expert, grouped GEMMs, unsort."""
+    order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
+    out_SD = expert_ffn(x_SD[order_S], group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
+    return out_SD[jnp.argsort(order_S)]
+
+
+def combine(out_SD, weights_TK):
+    """y_t = sum_k weight_tk * out_(t,k), accumulated in float32."""
+    t, k = weights_TK.shape
+    out_TKD = out_SD.reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", out_TKD, weights_TK.astype(jnp.float32)).astype(out_SD.dtype)
+
+
+def local_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD):
+    """Every expert on this device: the whole dropless MoE without communication."""
+    k = experts_TK.shape[1]
+    x_SD = jnp.repeat(x_TD, k, axis=0)  # slot s = (token s // K, choice s % K)
+    out_SD = sorted_ffn(x_SD, experts_TK.reshape(-1), wi_0_EDF.shape[0], wi_0_EDF, wi_1_EDF, wo_EFD)
+    return combine(out_SD, weights_TK)
+
+
+def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD, *, num_experts, axis_name,
+                        buffer_factor):
+    """The dropless MoE with this device's E/N experts: dispatch slots to their experts' devices, grouped
+    GEMMs there, combine back. Returns (y_TD, overflowed slots on this device)."""
+    k = experts_TK.shape[1]
+    num_local = wi_0_EDF.shape[0]
+    x_SD = jnp.repeat(x_TD, k, axis=0)
+    dispatch = ep.dispatch(x_SD, experts_TK.reshape(-1), num_experts=num_experts, num_local_experts=num_local,
+                           axis_name=axis_name, capacity=ep.peer_capacity(x_TD.shape[0], k, num_experts,
+                                                                             num_local, buffer_factor))
+    out_GD = sorted_ffn(dispatch.x_GD, dispatch.local_expert_G, num_local, wi_0_EDF, wi_1_EDF, wo_EFD)
+    out_SD = ep.combine(out_GD, dispatch, axis_name=axis_name)
+    return combine(out_SD, weights_TK), dispatch.overflow
+
+
+class MeshLayout(NamedTuple):
+    """How a per-device MoE function sits on the mesh: tokens split over the batch axes, expert weights
+    gathered over fsdp and split over `expert` (E) and the `mlp` axes (F)."""
+    batch: tuple
+    mlp: tuple
+    num_ep: int
+
+    def run(self, per_device, x_TD, routing: Routing, w):
+        """shard_map of per_device(x, experts, weights, wi_0, wi_1, wo) -> (y, overflow): adds up the
+        tensor shards' partial outputs and the devices' overflow counts."""
+        batch, mlp = self.batch, self.mlp
+        exp, f = ("expert" if self.num_ep > 1 else None), (mlp or None)
+
+        def body(*args):
+            y, overflow = per_device(*args)
+            if mlp:  # each tensor shard holds a slice of F: its partial outputs add up
+                y = jax.lax.psum(y, mlp)
+            overflow = jax.lax.psum(overflow, batch) if batch else overflow
+            return y, overflow.astype(jnp.float32)
+
+        tokens = P(batch or None, None)
+        return jax.shard_map(
+            body, in_specs=(tokens, tokens, tokens, P(exp, None, f), P(exp, None, f), P(exp, f, None)),
+            out_specs=(tokens, P()),
+        )(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
+
+
+def _mesh_axes(logical: str, rules) -> tuple:
+    axes = logical_to_spec((logical,), rules)[0]
+    return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+
+
+def mesh_layout(rules) -> MeshLayout | None:
+    """The layout in the current mesh, or None outside one (then everything is local)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return None
+    layout = MeshLayout(_mesh_axes("activation_batch", rules), _mesh_axes("activation_mlp", rules),
+                        mesh.shape.get("expert", 1))
+    if layout.num_ep > 1 and "expert" not in layout.batch:
+        raise ConfigError("a dropless MoE with expert parallelism needs the batch split over `expert` too: "
+                          "keep 'expert' in the activation_batch rule of logical_axis_rules")
+    return layout
+
+
+def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
+    """Dropless MoE over all tokens; inside a mesh, per device in shard_map (see MeshLayout)."""
+    layout = mesh_layout(rules)
+    if layout is None:
+        y = local_moe(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
+        return y, {"overflow": jnp.zeros((), jnp.float32)}
+
+    def per_device(x, experts, weights, wi_0, wi_1, wo):
+        if layout.num_ep > 1:
+            return expert_parallel_moe(x, experts, weights, wi_0, wi_1, wo, num_experts=cfg.num_experts,
+                                       axis_name="expert", buffer_factor=cfg.ragged_buffer_factor)
+        return local_moe(x, experts, weights, wi_0, wi_1, wo), jnp.zeros((), jnp.int32)
+
+    y, overflow = layout.run(per_device, x_TD, routing, w)
+    return y, {"overflow": overflow}

@@ -1,0 +1,120 @@
+"""`moe_impl=te_dropless`: the Transformer Engine dropless MoE, with pure-JAX references for every stage.
+
+Stages (te_kernels.py holds both kernel sets):
+  route      TE fused router (fused_topk_with_score_function) | router.select_experts
+  permute    token-slots sorted by expert into a static buffer where every expert group starts on a
+             128-row boundary and its size is rounded up to 128 (zero rows), as TE's grouped GEMM and
+             NCCL EP lay tokens out
+  GEMMs      TE grouped_dense (bf16, FP8 current scaling or MXFP8) | gmm.grouped_matmul
+  EP         with expert parallelism, the rows travel to their experts' devices and back (ep.py), the
+             combine weights travel with them and multiply the expert outputs before the return trip
+             (NCCL EP's combine is an unweighted sum), and the receive buffer holds the dropless worst
+             case unless ragged_buffer_factor shrinks it (overflow counted, never silent).
+On CPU (or with te_kernels=reference) every stage is the reference, so the whole orchestration is
+tested here; on an NVIDIA GPU scripts/ checks the TE kernels against these references.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers.moe import ep, te_kernels
+from MaxText.layers.moe.ragged import combine, mesh_layout
+from MaxText.layers.moe.router import Routing, route as shared_route
+
+ALIGN = te_kernels.ALIGN
+
+
+def route(x_TD, gate_DE, bias_E, cfg) -> Routing:
+    """The shared router with the kernel set's top-k (TE's fused router on GPU)."""
+    return shared_route(x_TD, gate_DE, bias_E, cfg, topk=te_kernels.kernels(cfg).topk)
+
+
+def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int:
+    """Static rows that hold `slots` rows in groups padded to `align`: the worst case adds align-1 per group."""
+    return -(-(slots + num_experts * (align - 1)) // align) * align
+
+
+def aligned_permute(x_SD, experts_S, num_experts: int, align: int = ALIGN):
+    """Slots -> expert-major buffer with 128-row-aligned groups.
+
+    Returns (x_RD, group_sizes_E, rows_S): the buffer (padding rows 0), each group's size rounded up to
+    `align` (TE's aligned counts), and the buffer row of every slot. Slots whose id is >= num_experts
+    (padding received in an EP buffer) get row R (out of range) and stay out of the buffer.
+    """
+    s = experts_S.shape[0]
+    rows = aligned_buffer_rows(s, num_experts, align)
+    counts_E = jnp.sum(jax.nn.one_hot(experts_S, num_experts, dtype=jnp.int32), axis=0)
+    sizes_E = (counts_E + align - 1) // align * align
+    order_S = jnp.argsort(experts_S, stable=True)
+    sorted_e = experts_S[order_S]
+    real = sorted_e < num_experts
+    e = jnp.minimum(sorted_e, num_experts - 1)
+    rank = jnp.arange(s) - (jnp.cumsum(counts_E) - counts_E)[e]  # position inside its expert group
+    rows_sorted = jnp.where(real, (jnp.cumsum(sizes_E) - sizes_E)[e] + rank, rows)
+    rows_S = jnp.zeros((s,), jnp.int32).at[order_S].set(rows_sorted.astype(jnp.int32))
+    x_RD = jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype).at[rows_S].set(x_SD, mode="drop")
+    return x_RD, sizes_E, rows_S
+
+
+def unpermute(out_RD, rows_S):
+    """The buffer rows back in slot order; slots outside the buffer read 0."""
+    return jnp.take(out_RD, rows_S, axis=0, mode="fill", fill_value=0)
+
+
+def grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD):
+    dt = x_RD.dtype
+    gemm = lambda x, w: kernels.grouped_gemm(x, w.astype(dt), sizes_E, quantization)  # noqa: E731
+    h = jax.nn.silu(checkpoint_name(gemm(x_RD, wi_0_EDF), "moe_mlpwi_0")) * checkpoint_name(
+        gemm(x_RD, wi_1_EDF), "moe_mlpwi_1")
+    return checkpoint_name(gemm(h, wo_EFD), "moe_mlpwo")
+
+
+def local_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels, quantization):
+    """All experts on this device: aligned permute, three grouped GEMMs, unpermute, weighted sum."""
+    k = experts_TK.shape[1]
+    x_RD, sizes_E, rows_S = aligned_permute(jnp.repeat(x_TD, k, axis=0), experts_TK.reshape(-1), wi_0.shape[0])
+    out_RD = grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0, wi_1, wo)
+    return combine(unpermute(out_RD, rows_S), weights_TK)
+
+
+def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels, quantization, num_experts,
+                        axis_name, buffer_factor):
+    """This device's E/N experts: dispatch rows with their combine weights, aligned grouped GEMMs on the
+    receive buffer, pre-multiply by the weights, return, and sum each token's K rows (unweighted)."""
+    t, k = experts_TK.shape
+    num_local = wi_0.shape[0]
+    capacity = ep.peer_capacity(t, k, num_experts, num_local, buffer_factor)
+    d = ep.dispatch(jnp.repeat(x_TD, k, axis=0), experts_TK.reshape(-1), num_experts=num_experts,
+                    num_local_experts=num_local, axis_name=axis_name, capacity=capacity,
+                    payload_S=weights_TK.reshape(-1).astype(jnp.float32))
+    x_RD, sizes_E, rows_G = aligned_permute(d.x_GD, d.local_expert_G, num_local)
+    out_GD = unpermute(grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0, wi_1, wo), rows_G)
+    out_GD = (out_GD.astype(jnp.float32) * d.payload_G[:, None]).astype(out_GD.dtype)
+    out_SD = ep.combine(out_GD, d, axis_name=axis_name)
+    return jnp.sum(out_SD.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype), d.overflow
+
+
+def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
+    """Dropless MoE through the kernel set of cfg.te_kernels, per device in shard_map like `ragged`."""
+    kernels = te_kernels.kernels(cfg)
+    quant = cfg.te_gmm_quantization
+    layout = mesh_layout(rules)
+    if layout is None:
+        y = local_moe(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD,
+                      kernels=kernels, quantization=quant)
+        return y, {"overflow": jnp.zeros((), jnp.float32)}
+
+    def per_device(x, experts, weights, wi_0, wi_1, wo):
+        if layout.num_ep > 1:
+            return expert_parallel_moe(x, experts, weights, wi_0, wi_1, wo, kernels=kernels, quantization=quant,
+                                       num_experts=cfg.num_experts, axis_name="expert",
+                                       buffer_factor=cfg.ragged_buffer_factor)
+        return local_moe(x, experts, weights, wi_0, wi_1, wo, kernels=kernels, quantization=quant), jnp.zeros(
+            (), jnp.int32)
+
+    y, overflow = layout.run(per_device, x_TD, routing, w)
+    return y, {"overflow": overflow}
+

@@ -1,0 +1,135 @@
+"""Kernels of `moe_impl=te_dropless`: Transformer Engine's, or pure-JAX references with the same semantics.
+
+This is the only module that imports Transformer Engine (TE 2.20 JAX API, see notes/te.md), and only
+when `te_kernels` asks for it. Importing TE without an NVIDIA driver raises OSError (not ImportError),
+so every exception of the import is caught and turned into one line naming what is missing.
+
+A kernel set has three parts, each with one signature for both backends:
+    topk(logits_TE, bias_E, cfg) -> (weights_TK, experts_TK)        fused router
+    grouped_gemm(x_RD, w_EDF, group_sizes_E, quantization) -> y_RF   grouped GEMM (custom VJP)
+    ep: None (pure-JAX dispatch/combine over the mesh, moe/ep.py) or TE's NCCL EP (TEExpertParallel)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from MaxText.config import ConfigError
+from MaxText.layers.moe.gmm import grouped_matmul
+from MaxText.layers.moe.router import expert_scores, select_experts
+
+ALIGN = 128  # rows per expert group: TE's MXFP8 grouped GEMM and NCCL EP both need 128-row groups
+
+
+class TEUnavailable(RuntimeError):
+    """Transformer Engine cannot be used here; the message says why."""
+
+
+class Kernels(NamedTuple):
+    name: str
+    topk: object
+    grouped_gemm: object
+    te: object  # the imported TE namespace (None for the references)
+
+
+@functools.cache
+def _import_te():
+    """TE's JAX modules, or TEUnavailable with the reason."""
+    try:
+        import transformer_engine.jax  # noqa: F401  (raises OSError without a driver)
+        from transformer_engine.common import recipe
+        from transformer_engine.jax import dense, ep, moe, router
+        from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode, noop_quantizer_set
+    except Exception as e:  # noqa: BLE001 - OSError, ImportError, RuntimeError all mean "not usable"
+        raise TEUnavailable(f"Transformer Engine could not be imported ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
+    return dict(recipe=recipe, dense=dense, ep=ep, moe=moe, router=router, QuantizerFactory=QuantizerFactory,
+                ScalingMode=ScalingMode, noop_quantizer_set=noop_quantizer_set)
+
+
+def _compute_capability() -> float | None:
+    """SM version of the first GPU (9.0 Hopper, 10.0 Blackwell), None without an NVIDIA GPU."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        return None
+    return float(getattr(gpus[0], "compute_capability", "0") or 0)
+
+
+def check_available(cfg) -> None:
+    """Start-up check for moe_impl=te_dropless: one ConfigError line naming the missing piece and the ways out."""
+    if cfg.moe_impl != "te_dropless" or cfg.te_kernels == "reference":
+        return
+    alternatives = "use te_kernels=reference (same semantics in pure JAX) or moe_impl=ragged"
+    capability = _compute_capability()
+    if capability is None:
+        raise ConfigError(f"moe_impl=te_dropless with te_kernels=auto needs an NVIDIA GPU and this machine has none "
+                          f"({jax.default_backend()} backend); {alternatives}")
+    try:
+        _import_te()
+    except TEUnavailable as e:
+        raise ConfigError(f"moe_impl=te_dropless: {e}; run in the NVIDIA JAX container (docker/), or {alternatives}")
+    if cfg.te_gmm_quantization == "mxfp8" and capability < 10.0:
+        raise ConfigError(f"te_gmm_quantization=mxfp8 needs a Blackwell GPU (SM 10.x), this one is SM {capability}; "
+                          "use te_gmm_quantization=fp8_current (Hopper) or none")
+
+
+# ------------------------------------------------------------------------------------------- references
+
+
+def reference_topk(logits_TE, bias_E, cfg):
+    """The router semantics of TE's fused_topk_with_score_function, in pure JAX (router.select_experts)."""
+    return select_experts(expert_scores(logits_TE, cfg.routed_score_func), bias_E, cfg)
+
+
+def reference_grouped_gemm(x_RD, w_EDF, group_sizes_E, quantization: str):
+    """grouped_dense in pure JAX. FP8/MXFP8 are TE-only: the reference computes in the input dtype."""
+    del quantization
+    return grouped_matmul(x_RD, w_EDF, group_sizes_E)
+
+
+REFERENCE = Kernels("reference", reference_topk, reference_grouped_gemm, None)
+
+
+# ------------------------------------------------------------------------------------------- Transformer Engine
+
+
+def _te_topk(te, logits_TE, bias_E, cfg):
+    # TE normalises sigmoid weights always (K > 1) and softmax weights unless use_pre_softmax, which is why
+    # config.check_te_options insists on norm_topk_prob=true with sigmoid.
+    probs_TE, routing_map_TE = te["router"].fused_topk_with_score_function(
+        logits_TE.astype(jnp.float32), topk=cfg.num_experts_per_tok,
+        use_pre_softmax=not cfg.norm_topk_prob, num_groups=cfg.n_routing_groups or -1,
+        group_topk=cfg.topk_routing_group or -1, scaling_factor=float(cfg.routed_scaling_factor),
+        score_function=cfg.routed_score_func, expert_bias=bias_E)
+    experts_TK = jnp.argsort(routing_map_TE, axis=-1)[..., -cfg.num_experts_per_tok:].astype(jnp.int32)
+    return jnp.take_along_axis(probs_TE, experts_TK, axis=-1), experts_TK
+
+
+def _te_quantizer_set(te, quantization: str, num_groups: int):
+    if quantization == "none":
+        return te["noop_quantizer_set"]
+    mode = {"mxfp8": te["ScalingMode"].MXFP8_1D_SCALING,
+            "fp8_current": te["ScalingMode"].CURRENT_TENSOR_SCALING}[quantization]
+    return te["QuantizerFactory"].create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e4m3fn,
+                                             bwd_dtype=jnp.float8_e4m3fn if quantization == "mxfp8"
+                                             else jnp.float8_e5m2, is_2x2x=True, n_groups=num_groups)
+
+
+def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
+    # TE's V1 grouped GEMM checks sum(group_sizes) == rows: give the zero padding at the tail to the last group.
+    sizes = group_sizes_E.at[-1].add(x_RD.shape[0] - jnp.sum(group_sizes_E))
+    return te["dense"].grouped_dense(x_RD, w_EDF, sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
+                                     quantizer_set=_te_quantizer_set(te, quantization, w_EDF.shape[0]))
+
+
+def kernels(cfg) -> Kernels:
+    """The kernel set cfg.te_kernels selects (check_available has run at start-up for `auto`)."""
+    if cfg.te_kernels == "reference":
+        return REFERENCE
+    te = _import_te()
+    return Kernels("transformer_engine", functools.partial(_te_topk, te),
+                   functools.partial(_te_grouped_gemm, te), te)
