@@ -271,9 +271,12 @@ def check_te_options(cfg) -> None:
     if cfg.te_gmm_quantization != "none" and cfg.moe_impl != "te_dropless":
         raise ConfigError(f"te_gmm_quantization={cfg.te_gmm_quantization} applies to moe_impl=te_dropless only "
                           f"(moe_impl={cfg.moe_impl}); set te_gmm_quantization=none or moe_impl=te_dropless")
-    if cfg.moe_impl == "te_dropless" and cfg.routed_score_func == "sigmoid" and not cfg.norm_topk_prob:
-        raise ConfigError("moe_impl=te_dropless with routed_score_func=sigmoid needs norm_topk_prob=true: TE's fused "
-                          "router always renormalises sigmoid weights (as DeepSeek-V3 does)")
+    if (cfg.moe_impl == "te_dropless" and cfg.n_routing_groups is not None
+            and cfg.num_experts_per_tok < cfg.topk_routing_group):
+        raise ConfigError(f"moe_impl=te_dropless scores each routing group by its best num_experts_per_tok // "
+                          f"topk_routing_group experts (TE's rule), which is 0 for num_experts_per_tok="
+                          f"{cfg.num_experts_per_tok} < topk_routing_group={cfg.topk_routing_group}; lower "
+                          "topk_routing_group or use moe_impl=ragged")
 
 
 def check_router(cfg) -> None:

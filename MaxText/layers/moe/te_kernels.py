@@ -98,15 +98,22 @@ REFERENCE = Kernels("reference", reference_topk, reference_grouped_gemm, None)
 
 
 def _te_topk(te, logits_TE, bias_E, cfg):
-    # TE normalises sigmoid weights always (K > 1) and softmax weights unless use_pre_softmax, which is why
-    # config.check_te_options insists on norm_topk_prob=true with sigmoid.
-    probs_TE, routing_map_TE = te["router"].fused_topk_with_score_function(
-        logits_TE.astype(jnp.float32), topk=cfg.num_experts_per_tok,
-        use_pre_softmax=not cfg.norm_topk_prob, num_groups=cfg.n_routing_groups or -1,
-        group_topk=cfg.topk_routing_group or -1, scaling_factor=float(cfg.routed_scaling_factor),
+    """Experts chosen by TE's fused router; weights from our scores of those experts.
+
+    TE selects on softmax probabilities only with use_pre_softmax=True (else on logits, which differs
+    under group-limited routing) and renormalises sigmoid weights whenever K > 1 (our norm_topk_prob).
+    Taking only the choice from TE and the weights from router.expert_scores keeps one semantics for
+    both kernel sets; the choice is the expensive, fused part.
+    """
+    _, routing_map_TE = te["router"].fused_topk_with_score_function(
+        logits_TE.astype(jnp.float32), topk=cfg.num_experts_per_tok, use_pre_softmax=True,
+        num_groups=cfg.n_routing_groups or -1, group_topk=cfg.topk_routing_group or -1, scaling_factor=1.0,
         score_function=cfg.routed_score_func, expert_bias=bias_E)
     experts_TK = jnp.argsort(routing_map_TE, axis=-1)[..., -cfg.num_experts_per_tok:].astype(jnp.int32)
-    return jnp.take_along_axis(probs_TE, experts_TK, axis=-1), experts_TK
+    weights_TK = jnp.take_along_axis(expert_scores(logits_TE, cfg.routed_score_func), experts_TK, axis=-1)
+    if cfg.norm_topk_prob:
+        weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+    return weights_TK * cfg.routed_scaling_factor, experts_TK
 
 
 def _te_quantizer_set(te, quantization: str, num_groups: int):
