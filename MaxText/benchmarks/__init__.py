@@ -1,0 +1,1 @@
+"""Micro-benchmarks, run by hand (`python -m MaxText.benchmarks.<name>`); never part of the test suite."""
