@@ -231,8 +231,9 @@ CROSS_KEY_CASES = [
     (["base_num_query_heads=6", "base_num_kv_heads=4"], ["base_num_query_heads", "base_num_kv_heads"]),
     (["first_num_dense_layers=5"], ["first_num_dense_layers", "base_num_decoder_layers"]),
     (["load_parameters_path=/a", "load_full_state_path=/b"], ["load_parameters_path", "load_full_state_path"]),
-    (["moe_impl=ragged"], ["moe_impl=ragged", "moe_impl=dense"]),
-    (["moe_impl=te_dropless"], ["moe_impl=te_dropless", "moe_impl=dense"]),
+    (["moe_impl=ragged", "te_gmm_quantization=mxfp8"], ["te_gmm_quantization=mxfp8", "moe_impl=te_dropless"]),
+    (["moe_impl=ragged", "ragged_buffer_factor=0"], ["ragged_buffer_factor"]),
+    (["sparse_matmul=true", "moe_impl=dense"], ["sparse_matmul=true", "moe_impl=ragged"]),
     (["query_proj=somewhere"], ["query_proj", "somewhere"]),
     (["logical_axis_rules=[['embed', ['model']]]"], ["logical_axis_rules", "model"]),
     (["moe_impl=sparse"], ["moe_impl", "sparse"]),
@@ -344,7 +345,7 @@ def test_loading_creates_no_directory(tmp_path):
 CLI_CASES = [
     ("stepz=3", ["stepz", "steps"]),
     ("steps=abc", ["steps", "abc"]),
-    ("moe_impl=ragged", ["moe_impl=ragged", "moe_impl=dense"]),
+    ("moe_impl=te_dropless", ["moe_impl=te_dropless", "te_kernels=reference"]),
     ("does_not_exist.yml", ["does_not_exist.yml"]),
 ]
 
