@@ -40,10 +40,11 @@ def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD):
     return checkpoint_name(grouped_matmul(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
 
 
-def sorted_ffn(x_SD, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD):
-    """expert_ffn(x) for slots in any order: sort by expert, grouped GEMMs, unsort."""
+def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input: int = 1):
+    """expert_ffn for slots in any order: sort by expert, grouped GEMMs, unsort. Slot s reads input row
+    s // rows_per_input, so K slots of a token share its row without a repeated copy of x."""
     order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
-    out_SD = expert_ffn(x_SD[order_S], group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
+    out_SD = expert_ffn(x_ND[order_S // rows_per_input], group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
     return out_SD[jnp.argsort(order_S)]
 
 
@@ -56,9 +57,9 @@ def combine(out_SD, weights_TK):
 
 def local_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD):
     """Every expert on this device: the whole dropless MoE without communication."""
-    k = experts_TK.shape[1]
-    x_SD = jnp.repeat(x_TD, k, axis=0)  # slot s = (token s // K, choice s % K)
-    out_SD = sorted_ffn(x_SD, experts_TK.reshape(-1), wi_0_EDF.shape[0], wi_0_EDF, wi_1_EDF, wo_EFD)
+    # Slot s is (token s // K, choice s % K).
+    out_SD = sorted_ffn(x_TD, experts_TK.reshape(-1), wi_0_EDF.shape[0], wi_0_EDF, wi_1_EDF, wo_EFD,
+                        rows_per_input=experts_TK.shape[1])
     return combine(out_SD, weights_TK)
 
 
@@ -87,6 +88,11 @@ class MeshLayout(NamedTuple):
     def run(self, per_device, x_TD, routing: Routing, w):
         """shard_map of per_device(x, experts, weights, wi_0, wi_1, wo) -> (y, overflow): adds up the
         tensor shards' partial outputs and the devices' overflow counts."""
+        return self.run_on(per_device, (x_TD, routing.experts_TK, routing.weights_TK), w)
+
+    def run_on(self, per_device, token_arrays, w):
+        """shard_map of per_device(*token_arrays, wi_0, wi_1, wo) -> (y, overflow) where every token array
+        is split over the batch axes on its leading dim."""
         batch, mlp = self.batch, self.mlp
         exp, f = ("expert" if self.num_ep > 1 else None), (mlp or None)
 
@@ -97,11 +103,11 @@ class MeshLayout(NamedTuple):
             overflow = jax.lax.psum(overflow, batch) if batch else overflow
             return y, overflow.astype(jnp.float32)
 
-        tokens = P(batch or None, None)
+        tokens = P(batch or None)
         return jax.shard_map(
-            body, in_specs=(tokens, tokens, tokens, P(exp, None, f), P(exp, None, f), P(exp, f, None)),
+            body, in_specs=(*(tokens,) * len(token_arrays), P(exp, None, f), P(exp, None, f), P(exp, f, None)),
             out_specs=(tokens, P()),
-        )(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
+        )(*token_arrays, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
 
 
 def _mesh_axes(logical: str, rules) -> tuple:

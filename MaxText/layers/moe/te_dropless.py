@@ -97,11 +97,38 @@ def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels
     return jnp.sum(out_SD.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype), d.overflow
 
 
+def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
+    """TE's NCCL EP: ep_dispatch and ep_combine act on the global arrays (their leading dim split over the
+    batch axes, `expert` innermost); the grouped FFN runs per rank in between on its [recv_cap, D] buffer,
+    whose expert groups NCCL EP already aligns to 128 rows (token_counts are the aligned sizes)."""
+    te, mesh = kernels.te, jax.sharding.get_abstract_mesh()
+    ranks = 1
+    for axis in layout.batch:
+        ranks *= mesh.shape[axis]
+    tokens_per_rank = x_TD.shape[0] // ranks
+    recv_cap = te_kernels.ep_recv_capacity(te, cfg, tokens_per_rank, layout.num_ep)
+    ep_cfg = te["ep"].EpLayerConfig(top_k=cfg.num_experts_per_tok, dispatch_output_per_expert_alignment=ALIGN)
+    recv_PRD, recv_w_PR, handle, counts_PE, total_P1 = te["ep"].ep_dispatch(
+        ep_cfg, routing.experts_TK, x_TD.astype(jnp.bfloat16), routing.weights_TK.astype(jnp.float32), recv_cap)
+
+    def per_rank(recv, counts, recv_w, wi_0, wi_1, wo):
+        out_RD = grouped_ffn(kernels, cfg.te_gmm_quantization, recv[0], counts[0], wi_0, wi_1, wo)
+        return (out_RD.astype(jnp.float32) * recv_w[0][:, None]).astype(out_RD.dtype)[None], jnp.zeros((), jnp.int32)
+
+    out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w)
+    y_TD = te["ep"].ep_combine(ep_cfg, handle, counts_PE, out_PRD, num_local_tokens=tokens_per_rank)
+    return y_TD.astype(x_TD.dtype), jnp.sum(jnp.maximum(total_P1 - recv_cap, 0)).astype(jnp.float32)
+
+
 def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
-    """Dropless MoE through the kernel set of cfg.te_kernels, per device in shard_map like `ragged`."""
+    """Dropless MoE through the kernel set of cfg.te_kernels, per device in shard_map like `ragged`
+    (with TE kernels and expert parallelism: NCCL EP around the per-rank FFN)."""
     kernels = te_kernels.kernels(cfg)
     quant = cfg.te_gmm_quantization
     layout = mesh_layout(rules)
+    if layout is not None and layout.num_ep > 1 and kernels.te is not None:
+        y, overflow = nccl_ep_moe(kernels, x_TD, routing, w, cfg, layout)
+        return y, {"overflow": overflow}
     if layout is None:
         y = local_moe(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD,
                       kernels=kernels, quantization=quant)

@@ -7,7 +7,11 @@ so every exception of the import is caught and turned into one line naming what 
 A kernel set has three parts, each with one signature for both backends:
     topk(logits_TE, bias_E, cfg) -> (weights_TK, experts_TK)        fused router
     grouped_gemm(x_RD, w_EDF, group_sizes_E, quantization) -> y_RF   grouped GEMM (custom VJP)
-    ep: None (pure-JAX dispatch/combine over the mesh, moe/ep.py) or TE's NCCL EP (TEExpertParallel)
+    te: None for the references (expert parallelism through moe/ep.py), else TE's modules, whose NCCL EP
+        ep_dispatch / ep_combine te_dropless uses (bootstrapped once per process by bootstrap_ep)
+
+Status: the TE side is written against TE 2.20's API as read from its source (notes/te.md) and is checked
+against the references only by the `gpu`-marked tests; NCCL EP needs one process per GPU and >= 2 GPUs.
 """
 
 from __future__ import annotations
@@ -131,6 +135,31 @@ def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
     sizes = group_sizes_E.at[-1].add(x_RD.shape[0] - jnp.sum(group_sizes_E))
     return te["dense"].grouped_dense(x_RD, w_EDF, sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
                                      quantizer_set=_te_quantizer_set(te, quantization, w_EDF.shape[0]))
+
+
+def ep_recv_capacity(te, cfg, tokens_per_rank: int, ep_size: int) -> int:
+    """Rows each rank can receive: TE's dropless worst case, or the balanced load x ragged_buffer_factor."""
+    return te["moe"].get_moe_recv_capacity_per_rank(
+        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        max_tokens_per_rank=tokens_per_rank, ep_size=ep_size, recv_capacity_factor=cfg.ragged_buffer_factor,
+        alignment=ALIGN)
+
+
+def bootstrap_ep(cfg, mesh, tokens_per_rank: int) -> None:
+    """NCCL EP's one-time set-up (eager, before the first compile); a no-op unless te_dropless runs TE
+    kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
+    and reported through total_recv_tokens; the dropless default never overflows."""
+    ep_size = mesh.shape.get("expert", 1)
+    if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto" or ep_size == 1:
+        return
+    if jax.local_device_count() != 1:
+        raise ConfigError("moe_impl=te_dropless with expert parallelism uses NCCL EP, which needs one process per "
+                          f"GPU (this process has {jax.local_device_count()}); launch with scripts/ launchers "
+                          "(JAX_NUM_PROCESSES) or use te_kernels=reference")
+    te = _import_te()
+    te["ep"].ep_bootstrap(jax.process_count(), jax.process_index(), cfg.num_experts, tokens_per_rank,
+                          ep_recv_capacity(te, cfg, tokens_per_rank, ep_size), cfg.base_emb_dim,
+                          max_token_dtype=jnp.bfloat16, drop_on_overflow=cfg.ragged_buffer_factor is not None)
 
 
 def kernels(cfg) -> Kernels:
