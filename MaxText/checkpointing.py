@@ -43,8 +43,8 @@ class Checkpointer:
         return True
 
     def restore(self, step: int, abstract_state):
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)}))
-        return restored[ITEM]
+        args = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)})
+        return self.manager.restore(step, args=args)[ITEM]
 
     def close(self):
         """Waits for any async save to finish."""

@@ -189,7 +189,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     """
     argv = list(argv)
     config_path = BASE_CONFIG
-    if argv and not ("=" in argv[0]) and argv[0].endswith((".yml", ".yaml")):
+    if argv and "=" not in argv[0] and argv[0].endswith((".yml", ".yaml")):
         config_path = argv.pop(0)
     overrides = _parse_overrides(argv)
 
