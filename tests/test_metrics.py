@@ -1,0 +1,84 @@
+"""Model FLOPs, MFU peaks, and what the metrics writers put in JSONL, TensorBoard and on the console."""
+
+import json
+
+import numpy as np
+import pytest
+
+from MaxText import metrics
+from tests.tiny import tiny_config
+
+
+def test_model_flops_per_token_counts_each_matmul():
+    """Tiny config: 1 dense + 2 MoE layers, D=32, H=4, N=2, K=8 head dim, L=16, V=64, F=64, E=4, top-2 of F=32."""
+    cfg = tiny_config()
+    d, h, n, k, length, v = 32, 4, 2, 8, 16, 64
+    attention = 2 * d * (h * k) + 2 * 2 * d * (n * k) + 2 * (h * k) * d + 2 * h * k * length  # causal QK^T + AV
+    dense_mlp = 3 * 2 * d * 64
+    moe = 2 * d * 4 + 2 * 3 * 2 * d * 32  # router + two active experts
+    forward = 3 * attention + dense_mlp + 2 * moe + 2 * d * v
+    assert metrics.model_flops_per_token(cfg) == pytest.approx(3 * forward)
+
+
+@pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA GH200 480GB", 989.0),
+                                       ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("cpu", None),
+                                       ("TPU v5 lite", None)])
+def test_peak_table(kind, peak):
+    assert metrics.peak_tflops(kind) == peak
+
+
+def test_throughput_and_mfu():
+    cfg = tiny_config()
+    tps, tflops, mfu = metrics.throughput(cfg, tokens_per_step=4096, num_devices=8, step_time_s=0.5, peak=1000.0)
+    assert tps == 4096 / 0.5 / 8
+    assert tflops == pytest.approx(metrics.model_flops_per_token(cfg) * tps / 1e12)
+    assert mfu == pytest.approx(tflops / 1000.0)
+    assert metrics.throughput(cfg, 4096, 8, 0.5, None)[2] is None
+
+
+class FakeTensorBoard:
+    def __init__(self, logdir):
+        self.logdir, self.scalars, self.histograms = logdir, {}, {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = (value, step)
+
+    def add_histogram(self, tag, values, step):
+        self.histograms[tag] = (np.asarray(values), step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_writer_jsonl_and_tensorboard_layout(tmp_path, monkeypatch):
+    """Scalars stay scalars; a per-layer list [L] becomes <key>/layer_<i> scalars and a per-layer,
+    per-expert list [L, E] one histogram per layer."""
+    import tensorboardX
+
+    made = []
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", lambda logdir: made.append(FakeTensorBoard(logdir)) or made[-1])
+    writer = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
+    load = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    record = writer.write(7, {"loss": np.float32(2.5), "moe_overflow": np.array([0.0, 3.0]),
+                              "moe_expert_load": load, "mfu": None})
+    writer.close()
+    with open(tmp_path / "metrics" / "metrics.jsonl") as f:
+        assert json.loads(f.read()) == record == {"step": 7, "loss": 2.5, "moe_overflow": [0.0, 3.0],
+                                                  "moe_expert_load": load.tolist(), "mfu": None}
+    tb = made[0]
+    assert tb.logdir == str(tmp_path / "tensorboard")
+    assert tb.scalars == {"loss": (2.5, 7), "moe_overflow/layer_0": (0.0, 7), "moe_overflow/layer_1": (3.0, 7)}
+    assert sorted(tb.histograms) == ["moe_expert_load/layer_0", "moe_expert_load/layer_1"]
+    np.testing.assert_array_equal(tb.histograms["moe_expert_load/layer_1"][0], load[1])
+
+
+def test_console_line_summarises_moe_layers():
+    line = metrics.console_line({"step": 3, "loss": 1.5, "step_time_s": 0.25, "mfu": None,
+                                 "moe_load_max_over_mean": [1.2, 2.5], "moe_dropped_fraction": [0.1, 0.3],
+                                 "moe_overflow": [1.0, 2.0]})
+    assert line.startswith("completed step: 3, seconds: 0.250")
+    assert "loss: 1.5000" in line and "max/mean expert load: 2.50" in line
+    assert "dropped: 0.200" in line and "overflow: 3" in line and "MFU" not in line
