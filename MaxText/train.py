@@ -75,7 +75,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
     from MaxText import metrics as metrics_lib, sharding
     from MaxText.checkpointing import Checkpointer
     from MaxText.data.synthetic import SyntheticData
-    from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available
+    from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
@@ -89,10 +89,10 @@ def train(cfg, log=print, devices=None) -> dict | None:
     log(f"run {cfg.run_name}: mesh {dict(mesh.shape)}, global batch {global_batch} x {cfg.max_target_length} "
         f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
 
-    bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (num_devices // mesh.shape["tensor"]))
     spec = state_spec(cfg, mesh)
     checkpointer = Checkpointer(cfg, checkpoint_dir)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), mesh_context(cfg):
+        bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (num_devices // mesh.shape["tensor"]))
         state = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:

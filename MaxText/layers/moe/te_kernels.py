@@ -16,6 +16,7 @@ against the references only by the `gpu`-marked tests; NCCL EP needs one process
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -48,11 +49,13 @@ def _import_te():
         from transformer_engine.common import recipe
         from transformer_engine.jax import dense, ep, moe, router
         from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode, noop_quantizer_set
+        from transformer_engine.jax.sharding import MeshResource, global_shard_guard
     except Exception as e:  # noqa: BLE001 - OSError, ImportError, RuntimeError all mean "not usable"
         raise TEUnavailable(f"Transformer Engine could not be imported ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
     return dict(recipe=recipe, dense=dense, ep=ep, moe=moe, router=router, QuantizerFactory=QuantizerFactory,
-                ScalingMode=ScalingMode, noop_quantizer_set=noop_quantizer_set)
+                ScalingMode=ScalingMode, noop_quantizer_set=noop_quantizer_set, MeshResource=MeshResource,
+                global_shard_guard=global_shard_guard)
 
 
 def _compute_capability() -> float | None:
@@ -145,9 +148,19 @@ def ep_recv_capacity(te, cfg, tokens_per_rank: int, ep_size: int) -> int:
         alignment=ALIGN)
 
 
+def mesh_context(cfg):
+    """TE's mesh-axis naming (global_shard_guard) while TE kernels run; a no-op for the references. NCCL EP
+    reads its group and the token slabs from these axes at bootstrap and when tracing dispatch/combine."""
+    if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto":
+        return contextlib.nullcontext()
+    te = _import_te()
+    return te["global_shard_guard"](te["MeshResource"](dp_resource="data", fsdp_resource="fsdp",
+                                                       ep_resource="expert", tp_resource="tensor"))
+
+
 def bootstrap_ep(cfg, mesh, tokens_per_rank: int) -> None:
-    """NCCL EP's one-time set-up (eager, before the first compile); a no-op unless te_dropless runs TE
-    kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
+    """NCCL EP's one-time set-up (eager, before the first compile, inside the mesh and mesh_context); a no-op
+    unless te_dropless runs TE kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
     and reported through total_recv_tokens; the dropless default never overflows."""
     ep_size = mesh.shape.get("expert", 1)
     if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto" or ep_size == 1:
