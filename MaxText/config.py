@@ -64,6 +64,8 @@ TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
+ROPE_TYPES = ("default", "yarn")
+ATTENTION_TYPES = ("mha", "mla")
 
 
 class ConfigError(ValueError):
@@ -258,7 +260,8 @@ def check_choices(cfg) -> None:
         "moe_impl": MOE_IMPLS, "remat_policy": REMAT_POLICIES, "dtype": DTYPES, "weight_dtype": DTYPES,
         "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",), "te_kernels": TE_KERNELS,
         "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
-        "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES,
+        "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
+        "attention_type": ATTENTION_TYPES,
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
     for key, allowed in choices.items():
