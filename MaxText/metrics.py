@@ -27,7 +27,7 @@ def model_flops_per_token(cfg) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token, counted from the config.
 
     Counts matmuls only: attention projections and scores (causal: half of the L x L products),
-    dense MLPs, the router and the K active experts of MoE layers, and the output (logits) projection.
+    dense MLPs, the router, the K active and the shared experts of MoE layers, and the output projection.
     """
     d, h, n, k, length = (cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim,
                           cfg.max_target_length)
@@ -36,7 +36,7 @@ def model_flops_per_token(cfg) -> float:
     num_moe = cfg.base_num_decoder_layers - num_dense
     attention = 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + 2 * 2 * h * k * length / 2
     dense_mlp = 2 * 3 * d * cfg.base_mlp_dim
-    moe_mlp = 2 * d * cfg.num_experts + cfg.num_experts_per_tok * 2 * 3 * d * cfg.base_moe_mlp_dim
+    moe_mlp = 2 * d * cfg.num_experts + (cfg.num_experts_per_tok + cfg.shared_experts) * 2 * 3 * d * cfg.base_moe_mlp_dim
     forward = (cfg.base_num_decoder_layers * attention + num_dense * dense_mlp + num_moe * moe_mlp
                + 2 * d * cfg.vocab_size)
     return 3.0 * forward

@@ -152,3 +152,25 @@ def test_small_ragged_buffer_counts_overflow_and_drops_only_it(factor, impl):
     y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, factor {factor}: output")
     assert float(stats["overflow"]) == kept.size - kept.sum(), (float(stats["overflow"]), kept.size - kept.sum())
+
+
+def test_shared_experts_add_an_always_on_swiglu():
+    """shared_experts=2: the block's output is the routed experts' plus a dense SwiGLU of width 2F on every token."""
+    from flax import nnx
+
+    from MaxText.layers.moe.block import MoeBlock
+    from MaxText.layers.moe.router import route
+    from tests.moe_reference import swiglu
+
+    cfg = tiny_config("moe_impl=dense", "shared_experts=2", f"max_target_length={L}", f"num_experts={E}",
+                      f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}")
+    block = MoeBlock(cfg, dtype=jnp.float32, weight_dtype=jnp.float32, rules=None, rngs=nnx.Rngs(0))
+    shared = block.shared_experts
+    assert shared.wi_0.shape == (D, 2 * F) and shared.wo.shape == (2 * F, D)
+    x_BLD = jax.random.normal(jax.random.key(3), (2, L, D))
+    y_BLD, _ = block(x_BLD)
+    x_TD = x_BLD.reshape(-1, D)
+    routing = route(x_TD, block.gate[...], None, cfg)
+    routed = moe_reference(x_TD, routing.weights_TK, routing.experts_TK, block.wi_0[...], block.wi_1[...], block.wo[...])
+    want = routed + swiglu(x_TD, shared.wi_0[...], shared.wi_1[...], shared.wo[...])
+    np.testing.assert_allclose(y_BLD.reshape(-1, D), want, rtol=2e-5, atol=2e-5)

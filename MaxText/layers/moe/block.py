@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from MaxText.layers.mlp import MLP
 from MaxText.layers.moe import dense, ragged, te_dropless
 from MaxText.layers.moe.router import route
 from MaxText.layers.params import fan_in_init, param
@@ -44,6 +45,9 @@ class MoeBlock(nnx.Module):
         self.wo = param(rngs, fan_in_init(1, 2, 0), (e, f, d), ("exp", "mlp", "embed"), weight_dtype)
         if cfg.routed_bias:
             self.bias = MoeBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+        if cfg.shared_experts:
+            self.shared_experts = MLP(d, cfg.shared_experts * f, dtype=dtype, weight_dtype=weight_dtype, rules=rules,
+                                      rngs=rngs)
         self.cfg = cfg
         self.rules = rules
 
@@ -57,6 +61,8 @@ class MoeBlock(nnx.Module):
         y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
                           self.rules)
+        if self.cfg.shared_experts:  # DeepSeek's shared experts: every token, no routing
+            y_BLD = y_BLD + self.shared_experts(x_BLD)
         stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
                  "entropy": routing.entropy,
                  "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
