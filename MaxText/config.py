@@ -322,7 +322,8 @@ def check_positive(cfg) -> None:
                 "normalization_layer_epsilon", "rope_max_timescale"):
         if cfg[key] is not None and not cfg[key] > 0:
             raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
-    for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay", "shared_experts"):
+    for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay", "shared_experts", "mtp_num_layers",
+                "mtp_loss_scaling_factor"):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
     for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction"):

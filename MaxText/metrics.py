@@ -115,7 +115,7 @@ def console_line(record: dict) -> str:
     for key, label, fmt in (("step_time_s", "seconds", ".3f"), ("tflops_per_device", "TFLOP/s/device", ".3f"),
                             ("tokens_per_s_per_device", "Tokens/s/device", ".1f"), ("mfu", "MFU", ".2%"),
                             ("loss", "loss", ".4f"), ("lm_loss", "lm_loss", ".4f"),
-                            ("moe_aux_loss", "moe_lb_loss", ".4f"), ("grad_norm", "grad_norm", ".3f"),
+                            ("moe_aux_loss", "moe_lb_loss", ".4f"), ("mtp_loss", "mtp_loss", ".4f"), ("grad_norm", "grad_norm", ".3f"),
                             ("learning_rate", "lr", ".3e"), ("imbalance", "max/mean expert load", ".2f"),
                             ("dropped", "dropped", ".3f"), ("overflow", "overflow", ".0f")):
         if record.get(key) is not None:

@@ -13,21 +13,32 @@ from MaxText.layers.models import update_moe_bias
 from MaxText.optimizers import learning_rate_schedule
 
 
-def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
-    """Token-mean cross-entropy over real target tokens plus the weighted MoE load-balance and z losses.
+def _cross_entropy(logits_BLV, targets_BL, weights_BL):
+    xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+    return jnp.sum(xent_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
 
-    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, moe stats per MoE layer}.
+
+def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
+    """Token-mean cross-entropy over real target tokens, plus the weighted MoE load-balance and z losses
+    (summed over MoE layers: each router is balanced on its own) and the scaled Multi-Token Prediction loss.
+
+    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, mtp_loss, moe stats, mtp stats}.
     """
     model = nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
-    logits_BLV, moe_stats = model(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-    xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+    h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-    lm_loss = jnp.sum(xent_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
-    # Summed over MoE layers: each layer's router is balanced on its own.
-    moe_aux = cfg.load_balance_loss_weight * jnp.sum(moe_stats["lb_loss"]) if moe_stats else jnp.zeros(())
-    z_loss = cfg.router_z_loss_weight * jnp.sum(moe_stats["z_loss"]) if moe_stats else jnp.zeros(())
-    return lm_loss + moe_aux + z_loss, {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe_z_loss": z_loss,
-                                        "moe": moe_stats}
+    lm_loss = _cross_entropy(model.logits(h_BLD), batch["targets"], weights_BL)
+    mtp_loss, mtp_stats = jnp.zeros(()), {}
+    if cfg.mtp_num_layers:
+        mtp_loss, mtp_stats = model.mtp(h_BLD, batch, model.token_embedder)
+    router_stats = [s for s in (moe_stats, mtp_stats) if s]
+    moe_aux = cfg.load_balance_loss_weight * sum(jnp.sum(s["lb_loss"]) for s in router_stats) if router_stats \
+        else jnp.zeros(())
+    z_loss = cfg.router_z_loss_weight * sum(jnp.sum(s["z_loss"]) for s in router_stats) if router_stats \
+        else jnp.zeros(())
+    total = lm_loss + moe_aux + z_loss + cfg.mtp_loss_scaling_factor * mtp_loss
+    return total, {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe_z_loss": z_loss, "mtp_loss": mtp_loss,
+                   "moe": moe_stats, "mtp": mtp_stats}
 
 
 def moe_metrics(stats) -> dict:
@@ -56,7 +67,8 @@ def train_step(state, batch, *, graphdef, cfg, tx):
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                  "opt_state": opt_state}
     if nnx_aux:  # aux-loss-free balancing: the bias follows this step's measured load, outside the optimizer
-        new_state["nnx_aux"] = update_moe_bias(nnx_aux, aux["moe"]["load_E"], cfg.routed_bias_update_rate)
+        new_state["nnx_aux"] = update_moe_bias(nnx_aux, aux["moe"].get("load_E"), cfg.routed_bias_update_rate,
+                                               aux["mtp"].get("load_E") if aux["mtp"] else None)
     metrics = {
         "loss": loss,
         "lm_loss": aux["lm_loss"],
@@ -65,6 +77,8 @@ def train_step(state, batch, *, graphdef, cfg, tx):
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": learning_rate_schedule(cfg)(state["step"]),
     }
+    if cfg.mtp_num_layers:
+        metrics["mtp_loss"] = aux["mtp_loss"]
     if aux["moe"]:
         metrics.update(moe_metrics(aux["moe"]))
     return new_state, metrics

@@ -9,6 +9,7 @@ from flax import nnx
 from MaxText.layers.decoder import LayerStack, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update
+from MaxText.layers.mtp import MultiTokenPrediction
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import dtype_of
 
@@ -29,12 +30,22 @@ class Transformer(nnx.Module):
             self.moe_layers = LayerStack(cfg, num_moe, moe=True, scan=cfg.scan_layers, **kw)
         self.decoder_norm = RMSNorm(cfg.base_emb_dim, epsilon=cfg.normalization_layer_epsilon,
                                     dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+        if cfg.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(cfg, moe=moe, **kw)
         self.num_dense, self.num_moe = num_dense, num_moe
         self.remat = cfg.remat_policy != "none"
         self.policy = remat_policy(cfg) if self.remat else None
 
     def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
         """float32 logits [B, L, V] and MoE stats per MoE layer ({} for a dense model)."""
+        h_BLD, stats = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+        return self.logits(h_BLD), stats
+
+    def logits(self, h_BLD):
+        return self.token_embedder.logits(self.decoder_norm(h_BLD))
+
+    def hidden(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+        """The final hidden state before the decoder norm [B, L, D], and the MoE stats."""
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
         if segment_ids_BL is None:
@@ -45,15 +56,22 @@ class Transformer(nnx.Module):
         stats = {}
         if self.num_moe:
             x, stats = self.moe_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
-        return self.token_embedder.logits(self.decoder_norm(x)), stats
+        return x, stats
 
 
-def update_moe_bias(aux: dict, load_LE, rate: float) -> dict:
-    """Moves every MoE layer's routing bias (in the pure-dict model state `aux`) by its layer's load [L, E]."""
-    stack = aux["moe_layers"]
-    if "layers" in stack:  # scanned: one bias array [L, E]
+def update_moe_bias(aux: dict, load_LE, rate: float, mtp_load_KE=None) -> dict:
+    """Moves every MoE routing bias (in the pure-dict model state `aux`) by its layer's load: load_LE for
+    the decoder's MoE layers [L, E], mtp_load_KE for the Multi-Token Prediction depths [K, E]."""
+    new = dict(aux)
+    stack = aux.get("moe_layers")
+    if stack is not None and "layers" in stack:  # scanned: one bias array [L, E]
         bias = stack["layers"]["moe"]["bias"]
-        return {**aux, "moe_layers": {"layers": {"moe": {"bias": bias_update(bias, load_LE, rate)}}}}
-    return {**aux, "moe_layers": {
-        name: {"moe": {"bias": bias_update(layer["moe"]["bias"], load_LE[int(name.split("_")[1])], rate)}}
-        for name, layer in stack.items()}}
+        new["moe_layers"] = {"layers": {"moe": {"bias": bias_update(bias, load_LE, rate)}}}
+    elif stack is not None:
+        new["moe_layers"] = {name: {"moe": {"bias": bias_update(layer["moe"]["bias"], load_LE[int(name.split("_")[1])],
+                                                                rate)}} for name, layer in stack.items()}
+    if "mtp" in aux:
+        new["mtp"] = {name: {"layer": {"moe": {"bias": bias_update(depth["layer"]["moe"]["bias"],
+                                                                   mtp_load_KE[int(name.split("_")[1]) - 1], rate)}}}
+                      for name, depth in aux["mtp"].items()}
+    return new
