@@ -52,7 +52,19 @@ def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
     if cfg.num_experts > 1 and cfg.num_experts % shape["expert"]:
         raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
                           f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
+    check_tensor_split(cfg, shape["tensor"])
     return shape | {"_dcn": tuple(dcn), "_ici": tuple(ici)}
+
+
+def check_tensor_split(cfg, tensor: int) -> None:
+    """Tensor parallelism splits heads, MLP widths and the vocabulary: each must divide evenly."""
+    if tensor == 1:
+        return
+    heads = ("base_num_query_heads",) + (("base_num_kv_heads",) if cfg.attention_type == "mha" else ())
+    for key in heads + ("base_mlp_dim", "base_moe_mlp_dim", "vocab_size"):
+        if cfg[key] % tensor:
+            raise ConfigError(f"{key}={cfg[key]} does not split over the tensor axis of size {tensor}; change "
+                              "ici_tensor_parallelism/dcn_tensor_parallelism")
 
 
 def create_mesh(cfg, devices=None) -> Mesh:
