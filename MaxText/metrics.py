@@ -23,23 +23,36 @@ def peak_tflops(device_kind: str):
     return None
 
 
+def attention_flops_per_token(cfg) -> float:
+    """Forward FLOPs of one attention layer per token: projections, and the causal score and value products
+    (each token attends to L/2 positions on average)."""
+    d, h, length = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.max_target_length
+    if cfg.attention_type == "mla":
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        query = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
+        kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + v)
+        return 2 * (query + kv + h * v * d) + 2 * h * (qk + v) * length / 2
+    n, k = cfg.base_num_kv_heads, cfg.head_dim
+    return 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + 2 * 2 * h * k * length / 2
+
+
 def model_flops_per_token(cfg) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token, counted from the config.
 
-    Counts matmuls only: attention projections and scores (causal: half of the L x L products),
-    dense MLPs, the router, the K active and the shared experts of MoE layers, and the output projection.
+    Counts matmuls only: attention (attention_flops_per_token), dense MLPs, the router, the K active and
+    the shared experts of MoE layers, the output projection, and each Multi-Token Prediction depth (its
+    [2D, D] projection, one more layer, and the output projection again).
     """
-    d, h, n, k, length = (cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim,
-                          cfg.max_target_length)
+    d = cfg.base_emb_dim
     moe = cfg.num_experts > 1
     num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
     num_moe = cfg.base_num_decoder_layers - num_dense
-    attention = 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + 2 * 2 * h * k * length / 2
     dense_mlp = 2 * 3 * d * cfg.base_mlp_dim
     moe_mlp = 2 * d * cfg.num_experts + (cfg.num_experts_per_tok + cfg.shared_experts) * 2 * 3 * d * cfg.base_moe_mlp_dim
-    forward = (cfg.base_num_decoder_layers * attention + num_dense * dense_mlp + num_moe * moe_mlp
-               + 2 * d * cfg.vocab_size)
-    return 3.0 * forward
+    attention, logits = attention_flops_per_token(cfg), 2 * d * cfg.vocab_size
+    forward = cfg.base_num_decoder_layers * attention + num_dense * dense_mlp + num_moe * moe_mlp + logits
+    mtp_depth = 2 * 2 * d * d + attention + (moe_mlp if moe else dense_mlp) + logits
+    return 3.0 * (forward + cfg.mtp_num_layers * mtp_depth)
 
 
 def throughput(cfg, tokens_per_step: int, num_devices: int, step_time_s: float, peak):

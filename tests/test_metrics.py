@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from MaxText import metrics
+from MaxText.config import load_config
 from tests.tiny import tiny_config
 
 
@@ -82,3 +83,17 @@ def test_console_line_summarises_moe_layers():
     assert line.startswith("completed step: 3, seconds: 0.250")
     assert "loss: 1.5000" in line and "max/mean expert load: 2.50" in line
     assert "dropped: 0.200" in line and "overflow: 3" in line and "MFU" not in line
+
+
+def test_mla_and_mtp_flops():
+    """deepseek3-tiny: MLA projections with a low-rank query, scores over qk = nope + rope, values of v dims,
+    and one MTP depth (projection, a MoE layer, the output projection)."""
+    cfg = load_config(["model_name=deepseek3-tiny", "max_target_length=16"])
+    d, h, rq, rkv, nope, rope, v, length = 64, 4, 32, 16, 16, 8, 16, 16
+    attention = 2 * (d * rq + rq * h * (nope + rope) + d * (rkv + rope) + rkv * h * (nope + v) + h * v * d) \
+        + 2 * h * (nope + rope + v) * length / 2
+    assert metrics.attention_flops_per_token(cfg) == pytest.approx(attention)
+    moe = 2 * d * 16 + (4 + 1) * 2 * 3 * d * 32
+    forward = 4 * attention + 2 * 3 * d * 128 + 3 * moe + 2 * d * 512
+    mtp = 2 * 2 * d * d + attention + moe + 2 * d * 512
+    assert metrics.model_flops_per_token(cfg) == pytest.approx(3 * (forward + mtp))

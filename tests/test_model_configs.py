@@ -9,8 +9,10 @@ from flax import nnx
 from MaxText.config import load_config
 from MaxText.layers.models import Transformer
 
-# name: (total parameters, active parameters per token), as published.
-PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9)}
+# name: (total parameters, active parameters per token), as published. DeepSeek-V3's 671B excludes its
+# Multi-Token Prediction module (test_deepseek3_with_mtp covers the ~685B with it).
+PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek3-671b": (671e9, 37e9)}
+NO_MTP = {"deepseek3-671b": ["mtp_num_layers=0"]}
 
 
 def parameter_counts(cfg):
@@ -25,7 +27,14 @@ def parameter_counts(cfg):
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_parameter_counts_match_published(name):
-    total, active = parameter_counts(load_config([f"model_name={name}"]))
+    total, active = parameter_counts(load_config([f"model_name={name}", *NO_MTP.get(name, [])]))
     want_total, want_active = PUBLISHED[name]
     assert abs(total / want_total - 1) < 0.01, f"{name}: {total / 1e9:.2f}B total, published {want_total / 1e9}B"
     assert abs(active / want_active - 1) < 0.02, f"{name}: {active / 1e9:.2f}B active, published {want_active / 1e9}B"
+
+
+def test_deepseek3_with_mtp():
+    """With its MTP depth (one more MoE layer plus the [2D, D] projection; embedding and head shared) the
+    model holds ~683B parameters: the published checkpoint's ~685B also stores a copy of embedding and head."""
+    total, _ = parameter_counts(load_config(["model_name=deepseek3-671b"]))
+    assert abs(total / 685e9 - 1) < 0.01, f"{total / 1e9:.1f}B"

@@ -8,6 +8,7 @@ from flax import nnx
 
 from MaxText.config import REMAT_TENSOR_NAMES
 from MaxText.layers.attention import Attention
+from MaxText.layers.attention_mla import MLA
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe.block import MoeBlock
 from MaxText.layers.norms import RMSNorm
@@ -20,7 +21,8 @@ class DecoderLayer(nnx.Module):
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         d, eps = cfg.base_emb_dim, cfg.normalization_layer_epsilon
         self.pre_self_attention_norm = RMSNorm(d, epsilon=eps, **kw)
-        self.self_attention = Attention(cfg, rules=rules, **kw)
+        attention = MLA if cfg.attention_type == "mla" else Attention
+        self.self_attention = attention(cfg, rules=rules, **kw)
         self.post_self_attention_norm = RMSNorm(d, epsilon=eps, **kw)
         if moe:
             self.moe = MoeBlock(cfg, rules=rules, **kw)

@@ -1,0 +1,104 @@
+"""DeepSeek-V3 Multi-head Latent Attention (MLA): keys and values from a shared low-rank latent.
+
+Shapes: B batch, L length, D embed, H heads, R lora rank (Rq query, Rkv key/value), K query/key head dim
+(nope + rope), V value head dim, P the RoPE part of K (qk_rope_head_dim).
+
+    query  = [x Wq  (or norm(x Wq_a) Wq_b)] -> per head (q_nope, q_pe); q_pe rotated
+    latent = x Wkv_a -> (c_kv [Rkv], k_pe [P]); k_pe rotated once and shared by every head
+    (k_nope, v) = norm(c_kv) Wkv_b per head;  key = (k_nope, k_pe)
+    out    = softmax(q k^T * scale + mask) v Wo
+
+RoPE uses apply_rope's half-split layout (pairs (x[i], x[i + P/2])), also for YaRN frequencies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from MaxText.layers.attention import attention_mask
+from MaxText.layers.norms import RMSNorm
+from MaxText.layers.params import fan_in_init, param
+from MaxText.layers.rope import apply_rope, rope_frequencies_for, yarn_mscale
+from MaxText.sharding import constrain
+
+_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention; same call signature as Attention so a decoder layer can use either."""
+
+    def __init__(self, cfg, *, dtype, weight_dtype, rules, rngs: nnx.Rngs):
+        d, h = cfg.base_emb_dim, cfg.base_num_query_heads
+        rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+        nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        norm_kw = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+        if rq > 0:
+            self.wq_a = param(rngs, fan_in_init(0, 1), (d, rq), ("embed", "q_lora"), weight_dtype)
+            self.q_norm = RMSNorm(rq, **norm_kw)
+            self.wq_b = param(rngs, fan_in_init(0, (1, 2)), (rq, h, nope + rope), ("q_lora", "heads", "head_dim"),
+                              weight_dtype)
+        else:
+            self.wq = param(rngs, fan_in_init(0, (1, 2)), (d, h, nope + rope), ("embed", "heads", "head_dim"),
+                            weight_dtype)
+        self.wkv_a = param(rngs, fan_in_init(0, 1), (d, rkv + rope), ("embed", "kv_lora"), weight_dtype)
+        self.kv_norm = RMSNorm(rkv, **norm_kw)
+        self.wkv_b = param(rngs, fan_in_init(0, (1, 2)), (rkv, h, nope + v), ("kv_lora", "heads", "head_dim"),
+                           weight_dtype)
+        self.out = param(rngs, fan_in_init((0, 1), 2), (h, v, d), ("heads", "head_dim", "embed"), weight_dtype)
+        # A static tuple (hashable, so it can sit in the graphdef); evaluated eagerly even when the module
+        # is built inside jit, since the frequencies depend on the config only.
+        with jax.ensure_compile_time_eval():
+            self.rope_frequencies = tuple(np.asarray(rope_frequencies_for(cfg, rope), np.float32).tolist())
+        scale = (nope + rope) ** -0.5
+        if cfg.rope_type == "yarn":
+            # DeepSeek-V3's convention: YaRN's temperature multiplies the softmax scale, squared; cos/sin stay unscaled.
+            scale *= yarn_mscale(cfg.rope_factor, cfg.mscale) ** 2
+        self.softmax_scale = scale
+        self.q_lora_rank, self.kv_lora_rank, self.nope_dim = rq, rkv, nope
+        self.dtype = dtype
+        self.rules = rules
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        dt = self.dtype
+        b, l, _ = x_BLD.shape
+        freqs_P2 = jnp.asarray(self.rope_frequencies, jnp.float32)
+        if self.q_lora_rank > 0:
+            q_BLR = checkpoint_name(jnp.einsum("bld,dr->blr", x_BLD, self.wq_a[...].astype(dt)), "mla_q")
+            q_BLHK = jnp.einsum("blr,rhk->blhk", self.q_norm(q_BLR), self.wq_b[...].astype(dt))
+        else:
+            q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt))
+        q_BLHK = constrain(q_BLHK, _HEADS, self.rules)
+        q_nope, q_pe = jnp.split(q_BLHK, [self.nope_dim], axis=-1)
+        q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2)
+        q_BLHK = checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
+
+        kv_BLR = checkpoint_name(jnp.einsum("bld,dr->blr", x_BLD, self.wkv_a[...].astype(dt)), "mla_kv")
+        c_kv_BLR, k_pe_BLP = jnp.split(kv_BLR, [self.kv_lora_rank], axis=-1)
+        k_pe_BL1P = apply_rope(k_pe_BLP[:, :, None, :], positions_BL, frequencies_K2=freqs_P2)
+        kv_BLHK = jnp.einsum("blr,rhk->blhk", self.kv_norm(c_kv_BLR), self.wkv_b[...].astype(dt))
+        kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
+        k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
+        h = k_nope.shape[2]
+        k_pe_BLHP = jnp.broadcast_to(k_pe_BL1P, (b, l, h, k_pe_BL1P.shape[-1]))
+        k_BLHK = checkpoint_name(jnp.concatenate([k_nope, k_pe_BLHP], axis=-1), "key_proj")
+        v_BLHV = checkpoint_name(v_BLHV, "value_proj")
+
+        out_BLHV = mla_attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, self.softmax_scale)
+        out = jnp.einsum("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt))
+        out = checkpoint_name(out, "out_proj")
+        return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
+
+
+def mla_attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, scale: float):
+    """softmax(q k^T * scale) v per head, causal and within segments; logits and softmax in float32.
+
+    Unlike dot_product_attention the value width V may differ from K and the scale is given (YaRN).
+    """
+    logits = jnp.einsum("bqhk,bshk->bhqs", q_BLHK, k_BLHK, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(attention_mask(segment_ids_BL), logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BLHV.dtype)
+    return jnp.einsum("bhqs,bshv->bqhv", probs, v_BLHV)
