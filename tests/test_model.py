@@ -121,3 +121,21 @@ def test_scan_and_remat_variants_match_plain_model(layout, remat, reference_loss
     for path, ref in flat_ref:
         np.testing.assert_allclose(flat[path], ref, rtol=2e-5, atol=1e-6,
                                    err_msg=f"{layout}/{remat} grad {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_makes_attention_invariant_to_query_key_scale(qk_norm):
+    """With per-head RMSNorm on queries and keys (Qwen3), scaling wq and wk changes nothing; without it,
+    it sharpens the attention."""
+    cfg = tiny_config(f"qk_norm={qk_norm}")
+    attn = Attention(cfg, dtype=jnp.float32, weight_dtype=jnp.float32, rules=None, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, L, cfg.base_emb_dim))
+    positions, segments = jnp.tile(jnp.arange(L), (2, 1)), jnp.ones((2, L), jnp.int32)
+    before = attn(x, positions, segments)
+    attn.wq[...] = attn.wq[...] * 10.0
+    attn.wk[...] = attn.wk[...] * 10.0
+    after = attn(x, positions, segments)
+    if qk_norm:
+        np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+    else:
+        assert not np.allclose(after, before, atol=1e-3)

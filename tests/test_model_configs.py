@@ -11,7 +11,7 @@ from MaxText.layers.models import Transformer
 
 # name: (total parameters, active parameters per token), as published. DeepSeek-V3's 671B excludes its
 # Multi-Token Prediction module (test_deepseek3_with_mtp covers the ~685B with it).
-PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek3-671b": (671e9, 37e9)}
+PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek3-671b": (671e9, 37e9), "qwen3-30b-a3b": (30.5e9, 3.3e9)}
 NO_MTP = {"deepseek3-671b": ["mtp_num_layers=0"]}
 
 

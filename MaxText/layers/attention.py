@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
-from MaxText.layers.rope import apply_rope
+from MaxText.layers.rope import apply_rope, static_rope_frequencies
 from MaxText.sharding import constrain
 
 
@@ -21,7 +22,11 @@ class Attention(nnx.Module):
         self.wk = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), ("embed", "kv_heads", "head_dim"), weight_dtype)
         self.wv = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), ("embed", "kv_heads", "head_dim"), weight_dtype)
         self.wo = param(rngs, fan_in_init((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"), weight_dtype)
-        self.max_timescale = cfg.rope_max_timescale
+        if cfg.qk_norm:
+            norm = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+            self.query_norm, self.key_norm = RMSNorm(k, **norm), RMSNorm(k, **norm)
+        self.qk_norm = cfg.qk_norm
+        self.rope_frequencies = static_rope_frequencies(cfg, k)  # RoPE, or YaRN with rope_type: yarn
         self.dtype = dtype
         self.rules = rules
 
@@ -31,8 +36,11 @@ class Attention(nnx.Module):
         k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BLD, self.wk[...].astype(dt)), "key_proj")
         v = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BLD, self.wv[...].astype(dt)), "value_proj")
         q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), self.rules)
-        q = apply_rope(q, positions_BL, self.max_timescale)
-        k = apply_rope(k, positions_BL, self.max_timescale)
+        if self.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
+        freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
+        q = apply_rope(q, positions_BL, frequencies_K2=freqs)
+        k = apply_rope(k, positions_BL, frequencies_K2=freqs)
         out_BLHK = dot_product_attention(q, k, v, segment_ids_BL)
         out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
         out = checkpoint_name(out, "out_proj")

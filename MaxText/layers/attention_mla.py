@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.attention import attention_mask
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
-from MaxText.layers.rope import apply_rope, rope_frequencies_for, yarn_mscale
+from MaxText.layers.rope import apply_rope, static_rope_frequencies, yarn_mscale
 from MaxText.sharding import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", None)
@@ -49,10 +48,7 @@ class MLA(nnx.Module):
         self.wkv_b = param(rngs, fan_in_init(0, (1, 2)), (rkv, h, nope + v), ("kv_lora", "heads", "head_dim"),
                            weight_dtype)
         self.out = param(rngs, fan_in_init((0, 1), 2), (h, v, d), ("heads", "head_dim", "embed"), weight_dtype)
-        # A static tuple (hashable, so it can sit in the graphdef); evaluated eagerly even when the module
-        # is built inside jit, since the frequencies depend on the config only.
-        with jax.ensure_compile_time_eval():
-            self.rope_frequencies = tuple(np.asarray(rope_frequencies_for(cfg, rope), np.float32).tolist())
+        self.rope_frequencies = static_rope_frequencies(cfg, rope)
         scale = (nope + rope) ** -0.5
         if cfg.rope_type == "yarn":
             # DeepSeek-V3's convention: YaRN's temperature multiplies the softmax scale, squared; cos/sin stay unscaled.

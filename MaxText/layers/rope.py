@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def rope_frequencies(head_dim: int, max_timescale: float):
@@ -73,3 +75,10 @@ def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequen
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
+
+
+def static_rope_frequencies(cfg, rope_dim: int) -> tuple:
+    """rope_frequencies_for as a hashable tuple of floats, for a module attribute: it depends on the config
+    only, and evaluating it eagerly keeps modules constructible inside jit."""
+    with jax.ensure_compile_time_eval():
+        return tuple(np.asarray(rope_frequencies_for(cfg, rope_dim), np.float32).tolist())
