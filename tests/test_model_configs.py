@@ -1,12 +1,15 @@
 """Shipped model configs build the published architectures (counted on abstract params: nothing allocated)."""
 
+import glob
 import math
+import os
 
 import jax
 import pytest
 from flax import nnx
 
-from MaxText.config import load_config
+from MaxText import sharding
+from MaxText.config import CONFIG_DIR, global_batch_size, load_config
 from MaxText.layers.models import Transformer
 
 # name: (total parameters, active parameters per token), as published. DeepSeek-V3's 671B excludes its
@@ -38,3 +41,21 @@ def test_deepseek3_with_mtp():
     model holds ~683B parameters: the published checkpoint's ~685B also stores a copy of embedding and head."""
     total, _ = parameter_counts(load_config(["model_name=deepseek3-671b"]))
     assert abs(total / 685e9 - 1) < 0.01, f"{total / 1e9:.1f}B"
+
+
+RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_gpu_recipe_loads_and_fills_its_device_count(recipe):
+    """Each recipe names its GPU count last in its file name; its mesh must use exactly that many, with the
+    expert axis inside the routed-expert count and the global batch splitting over the data axes."""
+    devices = int(os.path.basename(recipe)[:-4].rsplit("-", 1)[1])
+    cfg = load_config([recipe])
+    shape = sharding.mesh_shape(cfg, devices)
+    assert math.prod(shape[a] for a in ("data", "fsdp", "expert", "tensor")) == devices, shape
+    assert cfg.moe_impl == "te_dropless" and cfg.remat_policy == "custom"
+    assert cfg.query_proj == "offload" and cfg.value_proj == "offload"
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in cfg.xla_flags
+    batch = global_batch_size(cfg, devices)
+    assert batch % (shape["data"] * shape["fsdp"] * shape["expert"]) == 0, batch
