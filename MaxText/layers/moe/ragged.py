@@ -9,6 +9,7 @@ ragged_buffer_factor smaller than the worst case is set, and then every dropped 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -31,13 +32,14 @@ def sort_by_expert(experts_S, num_experts: int):
     return order_S, group_sizes_E
 
 
-def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD):
-    """SwiGLU of each contiguous expert group; rows past sum(group_sizes) come out as 0."""
+def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_matmul):
+    """SwiGLU of each contiguous expert group; rows past sum(group_sizes) come out as 0.
+    `gemm(x_RD, w_EDF, group_sizes_E)` is the grouped GEMM (te_dropless passes its kernel set's)."""
     dt = x_GD.dtype
-    gate = checkpoint_name(grouped_matmul(x_GD, wi_0_EDF.astype(dt), group_sizes_E), "moe_mlpwi_0")
-    up = checkpoint_name(grouped_matmul(x_GD, wi_1_EDF.astype(dt), group_sizes_E), "moe_mlpwi_1")
+    gate = checkpoint_name(gemm(x_GD, wi_0_EDF.astype(dt), group_sizes_E), "moe_mlpwi_0")
+    up = checkpoint_name(gemm(x_GD, wi_1_EDF.astype(dt), group_sizes_E), "moe_mlpwi_1")
     h = jax.nn.silu(gate) * up
-    return checkpoint_name(grouped_matmul(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
+    return checkpoint_name(gemm(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
 
 
 def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input: int = 1):
@@ -128,18 +130,26 @@ def mesh_layout(rules) -> MeshLayout | None:
     return layout
 
 
-def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
-    """Dropless MoE over all tokens; inside a mesh, per device in shard_map (see MeshLayout)."""
+def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel):
+    """Runs a dropless MoE where it belongs: `local(x, experts, weights, wi_0, wi_1, wo) -> y` outside a mesh
+    or without expert parallelism, `expert_parallel(same) -> (y, overflow)` with it, per device in
+    shard_map (see MeshLayout). Returns (y_TD, {"overflow": slots that did not fit})."""
     layout = mesh_layout(rules)
     if layout is None:
-        y = local_moe(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
+        y = local(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
         return y, {"overflow": jnp.zeros((), jnp.float32)}
 
-    def per_device(x, experts, weights, wi_0, wi_1, wo):
+    def per_device(*args):
         if layout.num_ep > 1:
-            return expert_parallel_moe(x, experts, weights, wi_0, wi_1, wo, num_experts=cfg.num_experts,
-                                       axis_name="expert", buffer_factor=cfg.ragged_buffer_factor)
-        return local_moe(x, experts, weights, wi_0, wi_1, wo), jnp.zeros((), jnp.int32)
+            return expert_parallel(*args)
+        return local(*args), jnp.zeros((), jnp.int32)
 
     y, overflow = layout.run(per_device, x_TD, routing, w)
     return y, {"overflow": overflow}
+
+
+def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
+    """Dropless MoE over all tokens; inside a mesh, per device in shard_map (see MeshLayout)."""
+    expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
+                                        buffer_factor=cfg.ragged_buffer_factor)
+    return run_on_mesh(x_TD, routing, w, rules, local_moe, expert_parallel)

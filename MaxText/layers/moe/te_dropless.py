@@ -16,12 +16,13 @@ tested here; on an NVIDIA GPU scripts/ checks the TE kernels against these refer
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.moe import ep, te_kernels
-from MaxText.layers.moe.ragged import combine, mesh_layout
+from MaxText.layers.moe.ragged import combine, expert_ffn, mesh_layout, run_on_mesh
 from MaxText.layers.moe.router import Routing, route as shared_route
 
 ALIGN = te_kernels.ALIGN
@@ -65,11 +66,11 @@ def unpermute(out_RD, rows_S):
 
 
 def grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD):
-    dt = x_RD.dtype
-    gemm = lambda x, w: kernels.grouped_gemm(x, w.astype(dt), sizes_E, quantization)  # noqa: E731
-    h = jax.nn.silu(checkpoint_name(gemm(x_RD, wi_0_EDF), "moe_mlpwi_0")) * checkpoint_name(
-        gemm(x_RD, wi_1_EDF), "moe_mlpwi_1")
-    return checkpoint_name(gemm(h, wo_EFD), "moe_mlpwo")
+    """ragged.expert_ffn through the kernel set's grouped GEMM."""
+    def gemm(x, w, sizes):
+        return kernels.grouped_gemm(x, w, sizes, quantization)
+
+    return expert_ffn(x_RD, sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=gemm)
 
 
 def local_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels, quantization):
@@ -124,24 +125,11 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     """Dropless MoE through the kernel set of cfg.te_kernels, per device in shard_map like `ragged`
     (with TE kernels and expert parallelism: NCCL EP around the per-rank FFN)."""
     kernels = te_kernels.kernels(cfg)
-    quant = cfg.te_gmm_quantization
     layout = mesh_layout(rules)
     if layout is not None and layout.num_ep > 1 and kernels.te is not None:
         y, overflow = nccl_ep_moe(kernels, x_TD, routing, w, cfg, layout)
         return y, {"overflow": overflow}
-    if layout is None:
-        y = local_moe(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD,
-                      kernels=kernels, quantization=quant)
-        return y, {"overflow": jnp.zeros((), jnp.float32)}
-
-    def per_device(x, experts, weights, wi_0, wi_1, wo):
-        if layout.num_ep > 1:
-            return expert_parallel_moe(x, experts, weights, wi_0, wi_1, wo, kernels=kernels, quantization=quant,
-                                       num_experts=cfg.num_experts, axis_name="expert",
-                                       buffer_factor=cfg.ragged_buffer_factor)
-        return local_moe(x, experts, weights, wi_0, wi_1, wo, kernels=kernels, quantization=quant), jnp.zeros(
-            (), jnp.int32)
-
-    y, overflow = layout.run(per_device, x_TD, routing, w)
-    return y, {"overflow": overflow}
-
+    kw = dict(kernels=kernels, quantization=cfg.te_gmm_quantization)
+    expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
+                                        buffer_factor=cfg.ragged_buffer_factor, **kw)
+    return run_on_mesh(x_TD, routing, w, rules, functools.partial(local_moe, **kw), expert_parallel)
