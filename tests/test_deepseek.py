@@ -1,14 +1,12 @@
 """deepseek3-tiny (MLA, YaRN, shared experts, group-limited sigmoid routing with bias updates, MTP) trains
 on CPU under every moe_impl, and the three give the same losses."""
 
-import json
-import os
 
 import numpy as np
 import pytest
 
 from MaxText.config import load_config
-from MaxText.train import train
+from tests.tiny import train_records
 
 IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
          "te_dropless": ["moe_impl=te_dropless", "te_kernels=reference"]}
@@ -20,9 +18,7 @@ def run(tmp_path, impl):
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "routed_bias_update_rate=0.01", f"base_output_directory={tmp_path}", f"run_name={impl}",
                        *IMPLS[impl]])
-    train(cfg, log=lambda *_: None)
-    with open(os.path.join(str(tmp_path), impl, "metrics", "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return train_records(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Training with each MoE implementation: same losses, checkpoints interchangeable, bias state kept."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,8 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText.config import load_config
-from MaxText.train import train
-from tests.tiny import TINY
+from tests.tiny import TINY, losses, train_records
 
 EP_MESH = ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1"]
 IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
@@ -18,16 +16,8 @@ IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
 
 
 def run(tmp_path, *overrides):
-    cfg = load_config(TINY + EP_MESH + [f"base_output_directory={tmp_path}", "log_period=1", *overrides])
-    path = os.path.join(str(tmp_path), cfg.run_name, "metrics", "metrics.jsonl")
-    before = sum(1 for _ in open(path)) if os.path.exists(path) else 0
-    train(cfg, log=lambda *_: None)
-    with open(path) as f:
-        return [json.loads(line) for line in f][before:]
-
-
-def losses(records):
-    return np.array([r["loss"] for r in records])
+    return train_records(load_config(TINY + EP_MESH + [f"base_output_directory={tmp_path}", "log_period=1",
+                                                        *overrides]))
 
 
 @pytest.fixture(scope="module")

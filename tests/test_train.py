@@ -1,6 +1,5 @@
 """The train loop end to end: meshes, falling loss, outputs, resume, and starting from a checkpoint."""
 
-import json
 import os
 
 import jax
@@ -10,24 +9,13 @@ import pytest
 from MaxText import checkpointing, sharding
 from MaxText.config import load_config
 from MaxText.state import state_spec
-from MaxText.train import train
-from tests.tiny import TINY
-
-QUIET = dict(log=lambda *_: None)
+from tests.tiny import TINY, losses, train_records
 
 
 def run(tmp_path, *overrides, base=TINY, devices=None):
     """Trains with `overrides` under tmp_path and returns the metrics records written by this run."""
     cfg = load_config(list(base) + [f"base_output_directory={tmp_path}", "log_period=1", *overrides])
-    path = os.path.join(str(tmp_path), cfg.run_name, "metrics", "metrics.jsonl")
-    before = sum(1 for _ in open(path)) if os.path.exists(path) else 0
-    train(cfg, devices=devices, **QUIET)
-    with open(path) as f:
-        return [json.loads(line) for line in f][before:]
-
-
-def losses(records):
-    return np.array([r["loss"] for r in records])
+    return train_records(cfg, devices)
 
 
 MESHES = {
@@ -44,9 +32,7 @@ def single_device_losses(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
     cfg = load_config(TINY + [f"base_output_directory={tmp}", "run_name=one", "log_period=1", "steps=3",
                               "enable_checkpointing=false", "per_device_batch_size=8"])
-    train(cfg, devices=jax.devices()[:1], **QUIET)
-    with open(os.path.join(str(tmp), "one", "metrics", "metrics.jsonl")) as f:
-        return losses([json.loads(line) for line in f])
+    return losses(train_records(cfg, devices=jax.devices()[:1]))
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -79,10 +65,8 @@ def test_default_config_loss_falls_and_outputs_are_written(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     cfg = load_config(["steps=40", "run_name=default", "checkpoint_period=20", "log_period=1"])
     assert cfg.base_output_directory == "outputs" and cfg.async_checkpointing
-    train(cfg, devices=jax.devices()[:1], **QUIET)
+    records = train_records(cfg, devices=jax.devices()[:1])
     tmp_path = tmp_path / "outputs"
-    with open(tmp_path / "default" / "metrics" / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 41))
     loss = losses(records)
     assert loss[0] > 5.5, loss[:3]

@@ -12,3 +12,24 @@ TINY = [
 def tiny_config(*overrides):
     """The tiny MoE decoder (1 dense + 2 MoE layers, E=4, K=2, float32) with extra key=value overrides."""
     return load_config(TINY + list(overrides))
+
+
+def train_records(cfg, devices=None) -> list[dict]:
+    """Trains cfg (quietly) and returns the metrics records this run appended to its metrics.jsonl."""
+    import json
+    import os
+
+    from MaxText.train import train
+
+    path = os.path.join(os.path.abspath(cfg.base_output_directory), cfg.run_name, "metrics", "metrics.jsonl")
+    before = sum(1 for _ in open(path)) if os.path.exists(path) else 0
+    train(cfg, log=lambda *_: None, devices=devices)
+    with open(path) as f:
+        return [json.loads(line) for line in f][before:]
+
+
+def losses(records):
+    """The `loss` of each record, as an array."""
+    import numpy as np
+
+    return np.array([r["loss"] for r in records])
