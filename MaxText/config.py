@@ -53,7 +53,7 @@ REMAT_LOCATIONS = ("remat", "device", "offload")
 # Tensors tagged with jax.ad_checkpoint.checkpoint_name in the model; `remat_policy: custom` reads one
 # REMAT_LOCATIONS value per name from the key of the same name.
 REMAT_TENSOR_NAMES = (
-    "query_proj", "key_proj", "value_proj", "out_proj",
+    "query_proj", "key_proj", "value_proj", "out_proj", "mla_q", "mla_kv",
     "mlpwi_0", "mlpwi_1", "mlpwo",
     "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
 )
