@@ -66,6 +66,7 @@ ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")
 ATTENTION_TYPES = ("mha", "mla")
+ATTENTION_IMPLS = ("dot_product", "chunked")
 
 
 class ConfigError(ValueError):
@@ -261,7 +262,7 @@ def check_choices(cfg) -> None:
         "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",), "te_kernels": TE_KERNELS,
         "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
         "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
-        "attention_type": ATTENTION_TYPES,
+        "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS,
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
     for key, allowed in choices.items():
@@ -314,7 +315,7 @@ def check_positive(cfg) -> None:
     """Sizes and periods that must be at least 1 (or > 0 for floats)."""
     for key in ("steps", "log_period", "checkpoint_period", "base_emb_dim", "base_num_query_heads",
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
-                "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length",
+                "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
                 "max_num_checkpoints_to_keep", "learning_rate_schedule_steps"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")

@@ -1,6 +1,12 @@
-"""Causal grouped-query attention (GQA) with RoPE and document (segment) masking."""
+"""Causal grouped-query attention (GQA) with RoPE and document (segment) masking.
+
+The score/softmax/value core is shared with MLA (attention_mla.py); `attention: chunked` runs it over
+blocks of query rows so that no [B, H, L, L] score matrix is ever held.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +33,7 @@ class Attention(nnx.Module):
             self.query_norm, self.key_norm = RMSNorm(k, **norm), RMSNorm(k, **norm)
         self.qk_norm = cfg.qk_norm
         self.rope_frequencies = static_rope_frequencies(cfg, k)  # RoPE, or YaRN with rope_type: yarn
+        self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
         self.dtype = dtype
         self.rules = rules
 
@@ -41,30 +48,77 @@ class Attention(nnx.Module):
         freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
         q = apply_rope(q, positions_BL, frequencies_K2=freqs)
         k = apply_rope(k, positions_BL, frequencies_K2=freqs)
-        out_BLHK = dot_product_attention(q, k, v, segment_ids_BL)
+        out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size)
         out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
 
 
-def attention_mask(segment_ids_BL):
-    """[B, 1, L, L] True where query i may attend key j: j <= i, same segment, and not padding (segment 0)."""
-    length = segment_ids_BL.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    same = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-    real = (segment_ids_BL != 0)[:, :, None]
-    return (causal[None] & same & real)[:, None]
+def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None):
+    """The `attention` config choice: dot_product (all [B, H, L, L] scores at once) or chunked (one
+    [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass)."""
+    if impl == "chunked":
+        return chunked_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, chunk_size=chunk_size, scale=scale)
+    return dot_product_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, scale=scale)
 
 
-def dot_product_attention(q_BLHK, k_BLNK, v_BLNK, segment_ids_BL):
-    """softmax(q k^T / sqrt(K)) v with GQA grouping; logits and softmax in float32."""
-    b, l, h, kd = q_BLHK.shape
-    n = k_BLNK.shape[2]
-    q = q_BLHK.reshape(b, l, n, h // n, kd)
-    logits = jnp.einsum("bqngk,bsnk->bngqs", q, k_BLNK, preferred_element_type=jnp.float32)
-    logits = logits * (kd ** -0.5)
-    mask = attention_mask(segment_ids_BL)[:, :, None]  # [B, 1, 1, L, L]
+def attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start=0):
+    """[B, Q, S] True where query q_start + i may attend key j: j <= q_start + i, same segment, and the
+    query is not padding (segment 0)."""
+    q_pos_Q = q_start + jnp.arange(q_segment_ids_BQ.shape[1])
+    causal_QS = jnp.arange(kv_segment_ids_BS.shape[1])[None, :] <= q_pos_Q[:, None]
+    same = q_segment_ids_BQ[:, :, None] == kv_segment_ids_BS[:, None, :]
+    real = (q_segment_ids_BQ != 0)[:, :, None]
+    return causal_QS[None] & same & real
+
+
+def _attend(q_BQHK, k_BSNK, v_BSNV, q_segment_ids_BQ, kv_segment_ids_BS, q_start, scale):
+    """softmax(q k^T * scale + mask) v for queries q_start.. against all S keys; N key/value heads each
+    serve H/N query heads (N = H for MLA). Logits and softmax in float32; V may differ from K."""
+    b, q_len, h, kd = q_BQHK.shape
+    n = k_BSNK.shape[2]
+    q = q_BQHK.reshape(b, q_len, n, h // n, kd)
+    logits = jnp.einsum("bqngk,bsnk->bngqs", q, k_BSNK, preferred_element_type=jnp.float32) * scale
+    mask = attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start)[:, None, None]  # [B, 1, 1, Q, S]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BLNK.dtype)
-    out = jnp.einsum("bngqs,bsnk->bqngk", probs, v_BLNK)
-    return out.reshape(b, l, h, kd)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSNV.dtype)
+    out = jnp.einsum("bngqs,bsnv->bqngv", probs, v_BSNV)
+    return out.reshape(b, q_len, h, v_BSNV.shape[-1])
+
+
+def dot_product_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, scale: float | None = None):
+    """softmax(q k^T * scale) v, causal and within segments, with GQA grouping; scale defaults to 1/sqrt(K).
+
+    Materialises the full [B, H, L, L] float32 scores (and keeps them for the backward pass)."""
+    scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+    return _attend(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, segment_ids_BL, 0, scale)
+
+
+def chunked_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, chunk_size: int, scale: float | None = None):
+    """dot_product_attention computed chunk_size query rows at a time: peak memory is one chunk's
+    [B, H, chunk_size, L] scores, forward and backward. With chunk_size >= L it is dot_product_attention.
+
+    A length that is not a multiple of chunk_size is padded with segment-0 (fully masked) query rows.
+    """
+    b, l, h, _ = q_BLHK.shape
+    c = min(chunk_size, l)
+    if c == l:
+        return dot_product_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, scale=scale)
+    scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+    chunks = -(-l // c)
+    pad = chunks * c - l
+    q_BPHK = jnp.pad(q_BLHK, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q_segment_ids_BP = jnp.pad(segment_ids_BL, ((0, 0), (0, pad)))  # padded rows: segment 0, dropped below
+    # M chunks of C query rows, chunk axis first for lax.map.
+    q_MBCHK = q_BPHK.reshape(b, chunks, c, h, -1).swapaxes(0, 1)
+    q_segment_ids_MBC = q_segment_ids_BP.reshape(b, chunks, c).swapaxes(0, 1)
+
+    # nothing_saveable: the backward recomputes each chunk's scores rather than keeping all of them,
+    # so only q, k, v are residuals.
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def one_chunk(args):
+        q_BCHK, q_segment_ids_BC, start = args
+        return _attend(q_BCHK, k_BLNK, v_BLNV, q_segment_ids_BC, segment_ids_BL, start, scale)
+
+    out_MBCHV = jax.lax.map(one_chunk, (q_MBCHK, q_segment_ids_MBC, jnp.arange(chunks) * c))
+    return out_MBCHV.swapaxes(0, 1).reshape(b, chunks * c, h, -1)[:, :l]

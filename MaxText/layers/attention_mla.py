@@ -13,12 +13,11 @@ RoPE uses apply_rope's half-split layout (pairs (x[i], x[i + P/2])), also for Ya
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.attention import attention_mask
+from MaxText.layers.attention import attention
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, static_rope_frequencies, yarn_mscale
@@ -55,6 +54,7 @@ class MLA(nnx.Module):
             scale *= yarn_mscale(cfg.rope_factor, cfg.mscale) ** 2
         self.softmax_scale = scale
         self.q_lora_rank, self.kv_lora_rank, self.nope_dim = rq, rkv, nope
+        self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
         self.dtype = dtype
         self.rules = rules
 
@@ -83,18 +83,9 @@ class MLA(nnx.Module):
         k_BLHK = checkpoint_name(jnp.concatenate([k_nope, k_pe_BLHP], axis=-1), "key_proj")
         v_BLHV = checkpoint_name(v_BLHV, "value_proj")
 
-        out_BLHV = mla_attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, self.softmax_scale)
+        # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
+        out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
+                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale)
         out = jnp.einsum("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt))
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
-
-
-def mla_attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, scale: float):
-    """softmax(q k^T * scale) v per head, causal and within segments; logits and softmax in float32.
-
-    Unlike dot_product_attention the value width V may differ from K and the scale is given (YaRN).
-    """
-    logits = jnp.einsum("bqhk,bshk->bhqs", q_BLHK, k_BLHK, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(attention_mask(segment_ids_BL), logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BLHV.dtype)
-    return jnp.einsum("bhqs,bshv->bqhv", probs, v_BLHV)
