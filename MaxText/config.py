@@ -37,6 +37,8 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "load_parameters_path": str,
     "load_full_state_path": str,
     "ragged_buffer_factor": float,
+    "num_devices": int,
+    "hbm_gib": float,
     "n_routing_groups": int,
     "topk_routing_group": int,
     "te_moe_block": bool,
@@ -316,11 +318,11 @@ def check_positive(cfg) -> None:
     for key in ("steps", "log_period", "checkpoint_period", "base_emb_dim", "base_num_query_heads",
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
-                "max_num_checkpoints_to_keep", "learning_rate_schedule_steps"):
+                "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
     for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
-                "normalization_layer_epsilon", "rope_max_timescale"):
+                "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib"):
         if cfg[key] is not None and not cfg[key] > 0:
             raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
     for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay", "shared_experts", "mtp_num_layers",

@@ -80,6 +80,10 @@ def train(cfg, log=print, devices=None) -> dict | None:
     from MaxText.train_step import jit_train_step
 
     check_available(cfg)  # te_dropless: TE and a suitable GPU, before anything is built
+    visible = len(devices) if devices is not None else jax.device_count()
+    if cfg.num_devices and cfg.num_devices != visible:
+        raise ConfigError(f"num_devices={cfg.num_devices} but {visible} devices are visible; launch on "
+                          f"{cfg.num_devices} or set num_devices=null")
     mesh = sharding.create_mesh(cfg, devices)
     num_devices = mesh.devices.size
     global_batch = global_batch_size(cfg, num_devices)

@@ -10,12 +10,8 @@ import optax
 from flax import nnx
 
 from MaxText.layers.models import update_moe_bias
+from MaxText.losses import cross_entropy
 from MaxText.optimizers import learning_rate_schedule
-
-
-def _cross_entropy(logits_BLV, targets_BL, weights_BL):
-    xent_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
-    return jnp.sum(xent_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
 
 
 def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
@@ -27,7 +23,7 @@ def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
     model = nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
     h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
-    lm_loss = _cross_entropy(model.logits(h_BLD), batch["targets"], weights_BL)
+    lm_loss = cross_entropy(h_BLD, batch["targets"], weights_BL, model.logits, cfg.num_vocab_tiling)
     mtp_loss, mtp_stats = jnp.zeros(()), {}
     if cfg.mtp_num_layers:
         mtp_loss, mtp_stats = model.mtp(h_BLD, batch, model.token_embedder)

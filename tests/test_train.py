@@ -122,3 +122,13 @@ def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
     assert [r["step"] for r in records] == [1, 2]
     fresh = run(tmp_path, "run_name=fresh", "steps=1", "enable_checkpointing=false")
     assert records[0]["loss"] < fresh[0]["loss"] - 0.05, (records[0]["loss"], fresh[0]["loss"])
+
+
+def test_num_devices_must_match_the_visible_devices(tmp_path):
+    """A config laid out for N devices (a GPU recipe's num_devices) refuses to start on another count."""
+    from MaxText.config import ConfigError
+    from MaxText.train import train
+
+    cfg = load_config(TINY + [f"base_output_directory={tmp_path}", "num_devices=128"])
+    with pytest.raises(ConfigError, match="num_devices=128 but 8 devices are visible"):
+        train(cfg, log=lambda *_: None)

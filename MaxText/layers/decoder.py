@@ -58,6 +58,15 @@ def remat_policy(cfg):
         offload_src="device", offload_dst="pinned_host")
 
 
+def call_remat(layer: DecoderLayer, x_BLD, positions_BL, segment_ids_BL, policy, remat: bool):
+    """One layer outside a LayerStack (a Multi-Token Prediction depth's) under the same remat policy."""
+    if not remat:
+        return layer(x_BLD, positions_BL, segment_ids_BL)
+    graphdef, state = nnx.split(layer)
+    apply = jax.checkpoint(lambda s, x: nnx.merge(graphdef, s)(x, positions_BL, segment_ids_BL), policy=policy)
+    return apply(state, x_BLD)
+
+
 class LayerStack(nnx.Module):
     """`count` identical layers. Scanned: one layer module whose params carry a leading `layers` axis,
     applied by lax.scan (one compiled layer body). Unrolled: attributes layers_0 ... layers_{n-1}."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from MaxText.layers.decoder import DecoderLayer
+from MaxText.layers.decoder import DecoderLayer, call_remat, remat_policy
+from MaxText.losses import cross_entropy
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 
@@ -34,11 +34,13 @@ class MTPDepth(nnx.Module):
         self.layer = DecoderLayer(cfg, moe=moe, rules=rules, **kw)
         self.final_norm = RMSNorm(d, epsilon=eps, **kw)
         self.dtype = dtype
+        self.remat = cfg.remat_policy != "none"
+        self.policy = remat_policy(cfg) if self.remat else None
 
     def __call__(self, h_BLD, next_embedding_BLD, positions_BL, segment_ids_BL):
         joined = jnp.concatenate([self.hidden_norm(h_BLD), self.embedding_norm(next_embedding_BLD)], axis=-1)
         h_BLD = joined @ self.projection[...].astype(self.dtype)
-        return self.layer(h_BLD, positions_BL, segment_ids_BL)
+        return call_remat(self.layer, h_BLD, positions_BL, segment_ids_BL, self.policy, self.remat)
 
 
 class MultiTokenPrediction(nnx.Module):
@@ -46,6 +48,7 @@ class MultiTokenPrediction(nnx.Module):
 
     def __init__(self, cfg, *, moe: bool, dtype, weight_dtype, rules, rngs: nnx.Rngs):
         self.depths = cfg.mtp_num_layers
+        self.tiles = cfg.num_vocab_tiling
         for k in range(1, self.depths + 1):
             setattr(self, f"mtp_{k}", MTPDepth(cfg, moe=moe, dtype=dtype, weight_dtype=weight_dtype, rules=rules,
                                                rngs=rngs))
@@ -57,12 +60,11 @@ class MultiTokenPrediction(nnx.Module):
         for k in range(1, self.depths + 1):
             depth = getattr(self, f"mtp_{k}")
             h_BLD, stats = depth(h_BLD, embedder(shift_left(inputs, k)), batch["inputs_position"], segments)
-            logits_BLV = embedder.logits(depth.final_norm(h_BLD))
             # Target of position i at depth k is token i+k+1: targets[i+k], inside the same document.
             target_k = shift_left(targets, k)
             real = (shift_left(batch["targets_segmentation"], k) != 0) & (shift_left(segments, k) == segments)
             weights = real.astype(jnp.float32)
-            xent = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, target_k)
-            losses.append(jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0))
+            losses.append(cross_entropy(h_BLD, target_k, weights,
+                                        lambda h, depth=depth: embedder.logits(depth.final_norm(h)), self.tiles))
             per_depth.append(stats)
         return jnp.mean(jnp.stack(losses)), jax.tree.map(lambda *xs: jnp.stack(xs), *per_depth)

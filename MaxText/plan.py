@@ -1,0 +1,360 @@
+"""Plan a run before renting the machines: `python -m MaxText.plan <config.yml> [key=value ...] [--json]`.
+
+Nothing is allocated and no accelerator is needed: the parameters come from jax.eval_shape over the real
+model, their per-device bytes from the shardings the trainer would give them (on an abstract mesh of
+`num_devices`), and the activations from a per-token count of what the config's remat/offload policy keeps
+(see `activation_bytes`). The verdict compares the per-device total with `hbm_gib`.
+
+Shapes in names: T tokens per device, D embed, V vocabulary, R rows in a MoE expert buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from MaxText import sharding
+from MaxText.config import REMAT_TENSOR_NAMES, ConfigError, global_batch_size, load_config
+from MaxText.layers.moe import dense as dense_moe
+from MaxText.layers.moe.ep import peer_capacity
+from MaxText.layers.moe.te_dropless import aligned_buffer_rows
+from MaxText.metrics import model_flops_per_token
+
+GIB = 2.0 ** 30
+# Memory a step needs beyond what is counted here (XLA workspace, cuBLAS/NCCL buffers, fragmentation):
+# a plan within this fraction of HBM "fits"; above it, up to 100%, it is "tight".
+HEADROOM = 0.90
+# Usable HBM per GPU (GiB), as nvidia-smi reports it, for hbm_gib when the config does not set it.
+KNOWN_HBM_GIB = {"H100": 79.6, "H200": 140.4, "B200": 178.4, "GB200": 184.0, "GB300": 277.0}
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+def abstract_params(cfg):
+    """The model's parameters as a pure dict of ShapeDtypeStructs (nothing allocated)."""
+    from MaxText.layers.models import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+class ParameterCounts(NamedTuple):
+    total: int          # every parameter, the Multi-Token Prediction depths included
+    active: float       # used per token by the main model: of the routed experts only K of E are active
+    mtp: int            # of total, in the Multi-Token Prediction depths
+    mtp_active: float   # of those, used per token
+
+
+def _count(tree) -> int:
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(tree))
+
+
+def _active(cfg, tree) -> float:
+    """Parameters of `tree` used per token: its routed expert weights count K/E of their size."""
+    routed = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [getattr(k, "key", None) for k in path]
+        if len(keys) > 1 and keys[-2] == "moe" and keys[-1] in ("wi_0", "wi_1", "wo"):  # not shared_experts
+            routed += math.prod(leaf.shape)
+    inactive = routed * (cfg.num_experts - cfg.num_experts_per_tok) / cfg.num_experts
+    return _count(tree) - inactive
+
+
+def parameter_counts(cfg) -> ParameterCounts:
+    """Total and active-per-token parameter counts of cfg's model, and those of its MTP depths."""
+    params = abstract_params(cfg)
+    mtp = params.get("mtp", {})
+    main = {k: v for k, v in params.items() if k != "mtp"}
+    return ParameterCounts(_count(params), _active(cfg, main), _count(mtp), _active(cfg, mtp))
+
+
+# ----------------------------------------------------------------------------------- state bytes per device
+
+def abstract_mesh(shape: dict) -> AbstractMesh:
+    axes = sharding.MESH_AXES
+    return AbstractMesh(tuple(shape[a] for a in axes), axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def shard_bytes(shape, dtype, spec, mesh_shape: dict, skip=()) -> int:
+    """Bytes of one device's shard of an array with PartitionSpec `spec` (padded shards round up); mesh
+    axes in `skip` count as unsplit (an fsdp all-gather undoes them)."""
+    dims = list(shape)
+    for i, axes in enumerate(spec):
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
+        split = math.prod(mesh_shape[a] for a in axes if a not in skip)
+        dims[i] = -(-dims[i] // split)
+    return math.prod(dims) * np.dtype(dtype).itemsize
+
+
+def _tree_bytes(tree, mesh_shape) -> int:
+    return sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape) for a in jax.tree.leaves(tree))
+
+
+def state_bytes(cfg, mesh_shape: dict) -> dict:
+    """Per-device bytes of params, gradients (the params' shape, dtype and sharding), optimizer state and
+    the MoE routing biases, exactly as state_spec shards them; and the largest layer's weights as the
+    layer loop holds them (fsdp all-gathered, in the compute dtype; two with fsdp, which prefetches the
+    next layer) with their gradient before it is reduce-scattered into the stacked gradients."""
+    from MaxText.state import state_spec
+
+    spec = state_spec(cfg, abstract_mesh(mesh_shape))
+    params = _tree_bytes(spec.abstract["params"], mesh_shape)
+    layer_weights = 0.0
+    for stack in ("dense_layers", "moe_layers"):
+        layers = spec.abstract["params"].get(stack, {}).get("layers")
+        if layers is None:
+            continue
+        count = cfg.first_num_dense_layers if stack == "dense_layers" else \
+            cfg.base_num_decoder_layers - cfg.first_num_dense_layers
+        one = sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape, skip=("fsdp",))
+                  for a in jax.tree.leaves(layers)) / count
+        layer_weights = max(layer_weights, one)
+    ratio = np.dtype(cfg.dtype).itemsize / np.dtype(cfg.weight_dtype).itemsize
+    copies = 2 if mesh_shape["fsdp"] > 1 else 1  # fsdp prefetches the next layer's gather
+    return {
+        "params": params,
+        "gradients": params,
+        "optimizer": _tree_bytes(spec.abstract["opt_state"], mesh_shape),
+        "moe_bias": _tree_bytes(spec.abstract.get("nnx_aux", {}), mesh_shape),
+        "layer_weights": layer_weights * (copies * ratio + 1),
+    }
+
+
+# ------------------------------------------------------------------------------------ activation estimate
+
+class LayerTensors(NamedTuple):
+    named: dict       # checkpoint name -> bytes per device (what a remat policy may save or offload)
+    other: float      # the block's other forward intermediates its backward reads (recomputed under remat)
+    working: float    # the largest short-lived set inside the block (attention scores, a buffer's cotangent)
+
+    def __add__(self, o):
+        return LayerTensors(self.named | o.named, self.other + o.other, max(self.working, o.working))
+
+    @property
+    def residuals(self):
+        return sum(self.named.values()) + self.other
+
+
+def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
+    """One attention block on a device with t tokens in b sequences."""
+    d, h, length = cfg.base_emb_dim, cfg.base_num_query_heads // tp, cfg.max_target_length
+    if cfg.attention_type == "mla":
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        named = {"mla_q": t * cfg.q_lora_rank * a, "mla_kv": t * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
+                 "query_proj": t * h * qk * a, "key_proj": t * h * qk * a, "value_proj": t * h * v * a}
+        # the normed low-rank inputs of the up-projections
+        other = t * (cfg.q_lora_rank + cfg.kv_lora_rank) * a
+        out_width = h * v
+    else:
+        n, k = max(cfg.base_num_kv_heads // tp, 1), cfg.head_dim
+        named = {"query_proj": t * h * k * a, "key_proj": t * n * k * a, "value_proj": t * n * k * a}
+        other = t * (h + n) * k * a  # q and k after RoPE
+        out_width = h * k
+    named["out_proj"] = t * d * a
+    other += t * out_width * a + t * d * a  # the context before the output projection, the block's norm
+    # float32 scores and softmax, probabilities in the compute dtype: whole, the probabilities are kept for
+    # the backward; chunked, one chunk of them exists at a time and is recomputed there.
+    if cfg.attention == "dot_product":
+        other += b * h * length * length * a
+        working = b * h * length * length * 2 * 4
+    else:
+        working = b * h * min(cfg.attention_chunk_size, length) * length * (2 * 4 + a)
+    return LayerTensors(named, other, working)
+
+
+def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
+    d, f = cfg.base_emb_dim, width // tp
+    named = {"mlpwi_0": t * f * a, "mlpwi_1": t * f * a, "mlpwo": t * d * a}
+    return LayerTensors(named, t * f * a + t * d * a, 2 * t * f * a)  # silu(gate) * up, the norm
+
+
+def moe_rows(cfg, t: int, ep: int) -> int:
+    """Rows of one device's expert buffer: the static shapes each moe_impl allocates."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if cfg.moe_impl == "dense":
+        s = cfg.max_target_length
+        return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor) // ep
+    rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor)
+    return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
+
+
+def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
+    d, k, f = cfg.base_emb_dim, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim // tp
+    r = moe_rows(cfg, t, ep)
+    named = {"moe_mlpwi_0": r * f * a, "moe_mlpwi_1": r * f * a, "moe_mlpwo": r * d * a}
+    # router scores (float32), the K copies of each token going out and coming back, the buffer in
+    # expert order, silu(gate) * up, the norm
+    other = 3 * t * cfg.num_experts * 4 + 2 * t * k * d * a + r * d * a + r * f * a + t * d * a
+    if cfg.moe_impl == "dense":  # float32 one-hot dispatch and combine tensors [T, E, C]
+        other += 2 * r * cfg.max_target_length * 4
+    block = LayerTensors(named, other, 2 * r * d * a)
+    if cfg.shared_experts:
+        # DeepSeek's shared experts are an MLP beside the routed ones (their tensors carry the mlp* names)
+        block = block + _mlp(cfg, t, tp, a, cfg.shared_experts * cfg.base_moe_mlp_dim)
+    return block
+
+
+def layer_tensors(cfg, moe: bool, t: int, b: int, tp: int, ep: int, a: int) -> LayerTensors:
+    ffn = _moe(cfg, t, tp, ep, a) if moe else _mlp(cfg, t, tp, a, cfg.base_mlp_dim)
+    return _attention(cfg, t, b, tp, a) + ffn
+
+
+def kept_names(cfg) -> tuple[set, set]:
+    """(names kept in HBM, names offloaded to host) under cfg's remat policy."""
+    if cfg.remat_policy in ("none", "minimal"):
+        return set(REMAT_TENSOR_NAMES), set()
+    if cfg.remat_policy == "full":
+        return set(), set()
+    return ({n for n in REMAT_TENSOR_NAMES if cfg[n] == "device"},
+            {n for n in REMAT_TENSOR_NAMES if cfg[n] == "offload"})
+
+
+def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
+    """Per-device activation bytes of one train step: what the forward keeps for the backward (layer
+    inputs, the tensors the remat policy saves, the float32 logits), and the largest transient set (one
+    layer recomputed with its gradients, or the loss's softmax and its gradient). Offloaded tensors are
+    counted in host memory instead."""
+    batch = global_batch_size(cfg, num_devices)
+    shards = math.prod(mesh_shape[x] for x in sharding.DATA_AXES)
+    b = -(-batch // shards)
+    t, tp, ep = b * cfg.max_target_length, mesh_shape["tensor"], mesh_shape["expert"]
+    a = np.dtype(cfg.dtype).itemsize
+    moe = cfg.num_experts > 1
+    num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
+    kinds = [(num_dense, layer_tensors(cfg, False, t, b, tp, ep, a))]
+    kinds.append((cfg.base_num_decoder_layers - num_dense + cfg.mtp_num_layers,
+                  layer_tensors(cfg, moe, t, b, tp, ep, a)))
+    kinds = [(n, lt) for n, lt in kinds if n]
+    keep, offload = kept_names(cfg)
+    saved = host = 0
+    for count, lt in kinds:
+        if cfg.remat_policy == "none":
+            saved += count * lt.residuals
+        else:
+            saved += count * (t * cfg.base_emb_dim * a + sum(v for n, v in lt.named.items() if n in keep))
+        host += count * sum(v for n, v in lt.named.items() if n in offload)
+    # The backward of a rematerialised layer first rebuilds everything its backward reads, then works
+    # through it block by block; without remat those residuals are already in `saved`.
+    layer = max((0 if cfg.remat_policy == "none" else lt.residuals) + lt.working for _, lt in kinds)
+    # float32 logits of the main head and each MTP depth: kept for the backward, or with
+    # num_vocab_tiling one tile at a time (recomputed in the backward)
+    heads = 1 + cfg.mtp_num_layers
+    logits = t * (cfg.vocab_size // tp) * 4
+    tiles = cfg.num_vocab_tiling
+    kept_logits = heads * logits if tiles == 1 else 0
+    inputs = 5 * t * 4 + heads * 2 * t * cfg.base_emb_dim * a  # the batch; embeddings and final norms
+    return {"saved": saved + kept_logits + inputs, "transient": max(layer, 2 * logits / tiles),
+            "host_offload": host, "tokens_per_device": t}
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+def default_hbm_gib():
+    """The local accelerator's memory (GiB), or None on a CPU-only machine."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] / GIB
+    return next((g for name, g in KNOWN_HBM_GIB.items() if name in device.device_kind), None)
+
+
+def planned_devices(cfg) -> int:
+    """num_devices; else the product of the parallelism sizes when none is -1; else the visible devices."""
+    if cfg.num_devices:
+        return cfg.num_devices
+    sizes = [cfg[f"{g}_{a}_parallelism"] for g in ("ici", "dcn") for a in sharding.MESH_AXES]
+    if all(s not in (None, -1) for s in sizes):
+        return math.prod(sizes)
+    return jax.device_count()
+
+
+def plan(cfg) -> dict:
+    """Everything the console table and --json show, in bytes per device unless named otherwise."""
+    num_devices = planned_devices(cfg)
+    mesh_shape = sharding.mesh_shape(cfg, num_devices)
+    counts = parameter_counts(cfg)
+    memory = state_bytes(cfg, mesh_shape)
+    acts = activation_bytes(cfg, mesh_shape, num_devices)
+    memory["activations"] = acts["saved"] + acts["transient"]
+    device_total = sum(memory.values())
+    hbm = cfg.hbm_gib or default_hbm_gib()
+    verdict = None
+    if hbm:
+        use = device_total / (hbm * GIB)
+        verdict = "fits" if use <= HEADROOM else ("tight" if use <= 1.0 else "does not fit")
+    return {
+        "num_devices": num_devices,
+        "mesh": {a: mesh_shape[a] for a in sharding.MESH_AXES},
+        "global_batch": global_batch_size(cfg, num_devices),
+        "tokens_per_device": acts["tokens_per_device"],
+        "params_total": counts.total,
+        "params_mtp": counts.mtp,
+        "params_active": counts.active,
+        "params_active_mtp": counts.mtp_active,
+        "flops_per_token": model_flops_per_token(cfg),
+        "bytes": memory | {"total": device_total},
+        "activation_detail": {k: acts[k] for k in ("saved", "transient")},
+        "host_offload_bytes": acts["host_offload"],
+        "hbm_gib": hbm,
+        "verdict": verdict,
+    }
+
+
+def format_table(p: dict) -> str:
+    """The console view of plan()."""
+    mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items() if n > 1) or "one device"
+    lines = [
+        f"devices            {p['num_devices']}  ({mesh})",
+        f"global batch       {p['global_batch']} sequences, {p['tokens_per_device']} tokens per device",
+        f"parameters         {p['params_total'] / 1e9:.2f}B total"
+        + (f" ({(p['params_total'] - p['params_mtp']) / 1e9:.2f}B without MTP)" if p["params_mtp"] else ""),
+        f"active per token   {p['params_active'] / 1e9:.2f}B"
+        + (f" ({(p['params_active'] + p['params_active_mtp']) / 1e9:.2f}B with MTP)" if p["params_mtp"] else ""),
+        f"model FLOPs/token  {p['flops_per_token'] / 1e9:.2f} GFLOP (forward + backward)",
+        "",
+        f"{'per device':<18} {'GiB':>10}",
+    ]
+    for name, value in p["bytes"].items():
+        if name == "total":
+            lines.append("-" * 29)
+        lines.append(f"{name:<18} {value / GIB:>10.2f}")
+    if p["host_offload_bytes"]:
+        lines.append(f"{'host (offloaded)':<18} {p['host_offload_bytes'] / GIB:>10.2f}")
+    if p["verdict"]:
+        use = p["bytes"]["total"] / (p["hbm_gib"] * GIB)
+        lines.append(f"\nverdict: {p['verdict']} in {p['hbm_gib']:g} GiB HBM ({use:.0%} used; "
+                     f"'fits' leaves {1 - HEADROOM:.0%} for XLA workspace and communication buffers)")
+    else:
+        lines.append("\nverdict: none (no accelerator here); set hbm_gib=G, e.g. "
+                     + ", ".join(f"{k} {v:g}" for k, v in KNOWN_HBM_GIB.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    as_json = "--json" in argv
+    argv = [x for x in argv if x != "--json"]
+    try:
+        cfg = load_config(argv)
+        result = plan(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if as_json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""MaxText.plan: its activation estimate against XLA's own accounting of the real train step, the GPU
+recipes' fit, and the command line."""
+
+import glob
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from MaxText import plan, sharding
+from MaxText.config import CONFIG_DIR, load_config
+from MaxText.state import state_spec
+from MaxText.train_step import jit_train_step
+
+
+def compiled_memory(cfg):
+    """memory_analysis() of the real jitted train step on one CPU device (compiled, never run)."""
+    mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+    spec = state_spec(cfg, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    shape = (int(cfg.per_device_batch_size), cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+             for k in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")}
+    with jax.set_mesh(mesh):
+        return jit_train_step(cfg, spec, batch_sharding).lower(spec.abstract, batch).compile().memory_analysis()
+
+
+# float32 (XLA:CPU computes bf16 through float32 copies, which a GPU does not), sequences short next to
+# the width so the layers rather than CPU softmax temporaries decide the peak.
+ESTIMATED = {
+    "deepseek3-tiny full": ["model_name=deepseek3-tiny", "remat_policy=full", "per_device_batch_size=4"],
+    "deepseek3-tiny minimal": ["model_name=deepseek3-tiny", "remat_policy=minimal"],
+    "qwen3-tiny full": ["model_name=qwen3-tiny", "remat_policy=full"],
+    "mixtral-tiny none": ["model_name=mixtral-tiny", "remat_policy=none", "moe_impl=dense", "capacity_factor=1.25"],
+}
+COMMON = ["moe_impl=ragged", "dtype=float32", "max_target_length=32", "num_devices=1", "enable_tensorboard=false"]
+
+
+@pytest.mark.parametrize("case", ESTIMATED)
+def test_activation_estimate_within_25_percent_of_compiled_train_step(case):
+    """XLA's temp allocation of the train step holds the activations, the float32 gradients and the layer
+    loop's weight copies: the plan's activations + gradients + layer weights must be within 25% of it."""
+    cfg = load_config(COMMON + ESTIMATED[case])  # later keys win: mixtral-tiny's moe_impl=dense
+    p = plan.plan(cfg)
+    estimate = p["bytes"]["activations"] + p["bytes"]["gradients"] + p["bytes"]["layer_weights"]
+    measured = compiled_memory(cfg).temp_size_in_bytes
+    assert abs(estimate / measured - 1) <= 0.25, f"{case}: plan {estimate / 1e6:.2f} MB, XLA {measured / 1e6:.2f} MB"
+
+
+def test_state_bytes_are_the_shards_the_trainer_creates():
+    """Per-device params and optimizer bytes equal the shard sizes of state_spec on a real 8-device mesh."""
+    cfg = load_config(["model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])
+    spec = state_spec(cfg, sharding.create_mesh(cfg, jax.devices()))
+
+    def shard_bytes(tree):
+        return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    got = plan.state_bytes(cfg, sharding.mesh_shape(cfg, 8))
+    assert got["params"] == shard_bytes(spec.abstract["params"])
+    assert got["optimizer"] == shard_bytes(spec.abstract["opt_state"])
+
+
+RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
+# Each recipe's own hbm_gib is its target; the H100 recipe also names its H200 variant in its header.
+VARIANTS = [(r, []) for r in RECIPES] + [(os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-h100-256.yml"),
+                                          ["hbm_gib=140.4", "per_device_batch_size=2"])]
+
+
+@pytest.mark.parametrize("recipe,extra", VARIANTS, ids=lambda x: os.path.basename(x) if isinstance(x, str) else
+                         " ".join(x) or "as shipped")
+def test_gpu_recipe_fits_its_target_hbm(recipe, extra):
+    p = plan.plan(load_config([recipe, *extra]))
+    assert p["verdict"] == "fits", plan.format_table(p)
+    assert p["num_devices"] == int(os.path.basename(recipe)[:-4].rsplit("-", 1)[1])
+    assert abs(p["params_total"] - p["params_mtp"] - 671e9) / 671e9 < 0.01
+    assert abs(p["params_active"] - 37e9) / 37e9 < 0.02
+
+
+def test_dropless_worst_case_does_not_fit_the_gb200_recipe():
+    """The verdict can say no: the recipe's 2x receive buffers are what make it fit."""
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
+    assert plan.plan(load_config([recipe, "ragged_buffer_factor=null"]))["verdict"] == "does not fit"
+
+
+def test_command_line_table_json_and_errors(capsys):
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
+    assert plan.main([recipe]) == 0
+    table = capsys.readouterr().out
+    assert "682.64B total (671.03B without MTP)" in table and "verdict: fits in 184 GiB" in table, table
+    assert plan.main([recipe, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mesh"] == {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}
+    assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
+    assert plan.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
