@@ -35,12 +35,12 @@ class Checkpointer:
     def latest_step(self):
         return self.manager.latest_step() if self.manager else None
 
-    def maybe_save(self, step: int, state, *, last: bool) -> bool:
-        """Saves at multiples of checkpoint_period and at the last step; returns whether it saved."""
-        if not self.enabled or not (last or step % self.period == 0) or step == self.latest_step():
-            return False
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether step is saved: multiples of checkpoint_period and the last step (once)."""
+        return self.enabled and (last or step % self.period == 0) and step != self.latest_step()
+
+    def save(self, step: int, state) -> None:
         self.manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
-        return True
 
     def restore(self, step: int, abstract_state):
         args = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)})

@@ -47,6 +47,35 @@ def run_directories(cfg) -> tuple[str, str]:
     return run_dir, os.path.join(run_dir, "checkpoints")
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm of a step was NaN or infinite; its state was never checkpointed."""
+
+
+class StopFlag:
+    """Set by SIGTERM (what schedulers send before preemption): the loop checkpoints at the next step
+    boundary and returns. Installed only in the main thread; the previous handler comes back on exit."""
+
+    def __init__(self):
+        self.set, self.previous = False, None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.set = True
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
 def initial_state(cfg, mesh, spec, checkpointer, log):
     """Resume this run's latest checkpoint, else load_full_state_path / load_parameters_path, else init."""
     from MaxText import checkpointing
@@ -70,6 +99,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
     """Runs the training loop to cfg.steps on `devices` (default: all); returns the last logged metrics
     record (None if no step ran)."""
     import jax
+    import numpy as np
     import tqdm
 
     from MaxText import metrics as metrics_lib, sharding
@@ -115,9 +145,16 @@ def train(cfg, log=print, devices=None) -> dict | None:
         last_done = time.perf_counter()
 
         def finish(step, device_metrics):
-            """Waits for step's metrics (the next step is already dispatched) and logs them."""
+            """Waits for step's metrics (the next step is usually already dispatched), stops the run on a
+            non-finite loss or gradient, and logs them."""
             nonlocal last_done, last_record
             host = jax.device_get(device_metrics)
+            if not (np.isfinite(host["loss"]) and np.isfinite(host["grad_norm"])):
+                latest = checkpointer.latest_step()
+                raise NonFiniteError(
+                    f"step {step}: loss {host['loss']}, grad_norm {host['grad_norm']}; stopping. Its state is "
+                    f"not saved; the newest checkpoint is " + (f"{checkpoint_dir}/{latest}" if latest is not None
+                                                               else "none"))
             now = time.perf_counter()
             step_time, last_done = now - last_done, now
             progress.update(1)
@@ -129,15 +166,24 @@ def train(cfg, log=print, devices=None) -> dict | None:
             progress.write(metrics_lib.console_line(last_record))
 
         try:
-            for step in range(start, cfg.steps):
-                batch = jax.make_array_from_process_local_data(batch_sharding, data.batch(step))
-                state, step_metrics = step_fn(state, batch)
+            with StopFlag() as stop:
+                for step in range(start, cfg.steps):
+                    batch = jax.make_array_from_process_local_data(batch_sharding, data.batch(step))
+                    state, step_metrics = step_fn(state, batch)
+                    if pending is not None:
+                        finish(*pending)
+                    pending = (step + 1, step_metrics)
+                    stopping = stop.set and step + 1 < cfg.steps
+                    if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
+                        finish(*pending)  # a state is saved only once its step is known to be finite
+                        pending = None
+                        checkpointer.save(step + 1, state)
+                        log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
+                    if stopping:
+                        log(f"SIGTERM: stopped after step {step + 1}")
+                        break
                 if pending is not None:
                     finish(*pending)
-                pending = (step + 1, step_metrics)
-                if checkpointer.maybe_save(step + 1, state, last=step + 1 == cfg.steps):
-                    log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
-            finish(*pending)
         finally:
             progress.close()
             writer.close()
@@ -168,6 +214,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
