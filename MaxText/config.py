@@ -409,6 +409,13 @@ def validate(cfg) -> None:
 # ------------------------------------------------------------------------------------------- derived
 
 
+def layer_counts(cfg) -> tuple[int, int]:
+    """(dense layers, MoE layers) of the decoder: the first first_num_dense_layers are dense, the rest MoE;
+    all are dense when num_experts is 1."""
+    num_dense = cfg.first_num_dense_layers if cfg.num_experts > 1 else cfg.base_num_decoder_layers
+    return num_dense, cfg.base_num_decoder_layers - num_dense
+
+
 def global_batch_size(cfg, num_devices: int) -> int:
     """per_device_batch_size x devices, which must be a whole number of sequences."""
     batch = cfg.per_device_batch_size * num_devices

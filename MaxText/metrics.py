@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from MaxText.config import layer_counts
+
 # Dense bf16 peak TFLOP/s per device (no sparsity), matched as a substring of jax's device_kind;
 # longer names first so 'GH200' is not read as 'H200'. Unknown devices (and CPUs) get no MFU.
 PEAK_TFLOPS_BF16 = (
@@ -45,10 +47,10 @@ def model_flops_per_token(cfg) -> float:
     """
     d = cfg.base_emb_dim
     moe = cfg.num_experts > 1
-    num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
-    num_moe = cfg.base_num_decoder_layers - num_dense
+    num_dense, num_moe = layer_counts(cfg)
     dense_mlp = 2 * 3 * d * cfg.base_mlp_dim
-    moe_mlp = 2 * d * cfg.num_experts + (cfg.num_experts_per_tok + cfg.shared_experts) * 2 * 3 * d * cfg.base_moe_mlp_dim
+    experts_per_token = cfg.num_experts_per_tok + cfg.shared_experts
+    moe_mlp = 2 * d * cfg.num_experts + experts_per_token * 2 * 3 * d * cfg.base_moe_mlp_dim
     attention, logits = attention_flops_per_token(cfg), 2 * d * cfg.vocab_size
     forward = cfg.base_num_decoder_layers * attention + num_dense * dense_mlp + num_moe * moe_mlp + logits
     mtp_depth = 2 * 2 * d * d + attention + (moe_mlp if moe else dense_mlp) + logits
@@ -128,7 +130,8 @@ def console_line(record: dict) -> str:
     for key, label, fmt in (("step_time_s", "seconds", ".3f"), ("tflops_per_device", "TFLOP/s/device", ".3f"),
                             ("tokens_per_s_per_device", "Tokens/s/device", ".1f"), ("mfu", "MFU", ".2%"),
                             ("loss", "loss", ".4f"), ("lm_loss", "lm_loss", ".4f"),
-                            ("moe_aux_loss", "moe_lb_loss", ".4f"), ("mtp_loss", "mtp_loss", ".4f"), ("grad_norm", "grad_norm", ".3f"),
+                            ("moe_aux_loss", "moe_lb_loss", ".4f"), ("mtp_loss", "mtp_loss", ".4f"),
+                            ("grad_norm", "grad_norm", ".3f"),
                             ("learning_rate", "lr", ".3e"), ("imbalance", "max/mean expert load", ".2f"),
                             ("dropped", "dropped", ".3f"), ("overflow", "overflow", ".0f")):
         if record.get(key) is not None:

@@ -21,11 +21,12 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from MaxText import sharding
-from MaxText.config import REMAT_TENSOR_NAMES, ConfigError, global_batch_size, load_config
+from MaxText.config import REMAT_TENSOR_NAMES, ConfigError, global_batch_size, layer_counts, load_config
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity
 from MaxText.layers.moe.te_dropless import aligned_buffer_rows
 from MaxText.metrics import model_flops_per_token
+from MaxText.state import state_spec
 
 GIB = 2.0 ** 30
 # Memory a step needs beyond what is counted here (XLA workspace, cuBLAS/NCCL buffers, fragmentation):
@@ -67,9 +68,10 @@ def _active(cfg, tree) -> float:
     return _count(tree) - inactive
 
 
-def parameter_counts(cfg) -> ParameterCounts:
-    """Total and active-per-token parameter counts of cfg's model, and those of its MTP depths."""
-    params = abstract_params(cfg)
+def parameter_counts(cfg, params=None) -> ParameterCounts:
+    """Total and active-per-token parameter counts of cfg's model (or of its abstract `params`, when the
+    caller already has them), and those of its MTP depths."""
+    params = abstract_params(cfg) if params is None else params
     mtp = params.get("mtp", {})
     main = {k: v for k, v in params.items() if k != "mtp"}
     return ParameterCounts(_count(params), _active(cfg, main), _count(mtp), _active(cfg, mtp))
@@ -97,25 +99,20 @@ def _tree_bytes(tree, mesh_shape) -> int:
     return sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape) for a in jax.tree.leaves(tree))
 
 
-def state_bytes(cfg, mesh_shape: dict) -> dict:
+def state_bytes(cfg, spec, mesh_shape: dict) -> dict:
     """Per-device bytes of params, gradients (the params' shape, dtype and sharding), optimizer state and
     the MoE routing biases, exactly as state_spec shards them; and the largest layer's weights as the
     layer loop holds them (fsdp all-gathered, in the compute dtype; two with fsdp, which prefetches the
-    next layer) with their gradient before it is reduce-scattered into the stacked gradients."""
-    from MaxText.state import state_spec
-
-    spec = state_spec(cfg, abstract_mesh(mesh_shape))
+    next layer) with their gradient before it is reduce-scattered into the stacked gradients. `spec` is
+    state_spec's on abstract_mesh(mesh_shape)."""
     params = _tree_bytes(spec.abstract["params"], mesh_shape)
     layer_weights = 0.0
-    for stack in ("dense_layers", "moe_layers"):
-        layers = spec.abstract["params"].get(stack, {}).get("layers")
-        if layers is None:
-            continue
-        count = cfg.first_num_dense_layers if stack == "dense_layers" else \
-            cfg.base_num_decoder_layers - cfg.first_num_dense_layers
-        one = sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape, skip=("fsdp",))
-                  for a in jax.tree.leaves(layers)) / count
-        layer_weights = max(layer_weights, one)
+    for stack, count in zip(("dense_layers", "moe_layers"), layer_counts(cfg)):
+        if count:  # scanned ("layers", stacked on a leading axis) or unrolled ("layers_0", ...): all layers
+            layers = spec.abstract["params"][stack]
+            one = sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape, skip=("fsdp",))
+                      for a in jax.tree.leaves(layers)) / count
+            layer_weights = max(layer_weights, one)
     ratio = np.dtype(cfg.dtype).itemsize / np.dtype(cfg.weight_dtype).itemsize
     copies = 2 if mesh_shape["fsdp"] > 1 else 1  # fsdp prefetches the next layer's gather
     return {
@@ -227,10 +224,9 @@ def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
     t, tp, ep = b * cfg.max_target_length, mesh_shape["tensor"], mesh_shape["expert"]
     a = np.dtype(cfg.dtype).itemsize
     moe = cfg.num_experts > 1
-    num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
+    num_dense, num_moe = layer_counts(cfg)
     kinds = [(num_dense, layer_tensors(cfg, False, t, b, tp, ep, a))]
-    kinds.append((cfg.base_num_decoder_layers - num_dense + cfg.mtp_num_layers,
-                  layer_tensors(cfg, moe, t, b, tp, ep, a)))
+    kinds.append((num_moe + cfg.mtp_num_layers, layer_tensors(cfg, moe, t, b, tp, ep, a)))
     kinds = [(n, lt) for n, lt in kinds if n]
     keep, offload = kept_names(cfg)
     saved = host = 0
@@ -281,8 +277,9 @@ def plan(cfg) -> dict:
     """Everything the console table and --json show, in bytes per device unless named otherwise."""
     num_devices = planned_devices(cfg)
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
-    counts = parameter_counts(cfg)
-    memory = state_bytes(cfg, mesh_shape)
+    spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
+    counts = parameter_counts(cfg, spec.abstract["params"])
+    memory = state_bytes(cfg, spec, mesh_shape)
     acts = activation_bytes(cfg, mesh_shape, num_devices)
     memory["activations"] = acts["saved"] + acts["transient"]
     device_total = sum(memory.values())

@@ -58,9 +58,24 @@ def test_state_bytes_are_the_shards_the_trainer_creates():
     def shard_bytes(tree):
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-    got = plan.state_bytes(cfg, sharding.mesh_shape(cfg, 8))
+    mesh_shape = sharding.mesh_shape(cfg, 8)
+    got = plan.state_bytes(cfg, state_spec(cfg, plan.abstract_mesh(mesh_shape)), mesh_shape)
     assert got["params"] == shard_bytes(spec.abstract["params"])
     assert got["optimizer"] == shard_bytes(spec.abstract["opt_state"])
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_layer_weights_are_one_layer_of_a_dense_model(scan):
+    """num_experts=1: every layer is dense (first_num_dense_layers does not apply); scanned or unrolled, the
+    loop holds one layer's weights in the compute dtype plus its float32 gradient."""
+    cfg = load_config(["num_experts=1", "num_experts_per_tok=1", "base_num_decoder_layers=3",
+                       "first_num_dense_layers=1", f"scan_layers={scan}", "dtype=bfloat16", "weight_dtype=float32"])
+    mesh_shape = sharding.mesh_shape(cfg, 1)
+    spec = state_spec(cfg, plan.abstract_mesh(mesh_shape))
+    stack = spec.abstract["params"]["dense_layers"]
+    one_layer = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(stack)) / 3
+    got = plan.state_bytes(cfg, spec, mesh_shape)["layer_weights"]
+    assert got == pytest.approx(one_layer * (2 / 4 + 1)), (got, one_layer)
 
 
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))

@@ -59,7 +59,7 @@ def remat_policy(cfg):
 
 
 def call_remat(layer: DecoderLayer, x_BLD, positions_BL, segment_ids_BL, policy, remat: bool):
-    """One layer outside a LayerStack (a Multi-Token Prediction depth's) under the same remat policy."""
+    """One layer under the remat policy outside a scan: an unrolled LayerStack's layers, an MTP depth's."""
     if not remat:
         return layer(x_BLD, positions_BL, segment_ids_BL)
     graphdef, state = nnx.split(layer)
@@ -87,18 +87,17 @@ class LayerStack(nnx.Module):
     def __call__(self, x_BLD, positions_BL, segment_ids_BL, policy, remat: bool):
         """Returns x and the per-layer stats stacked on a leading axis of size `count`."""
 
-        def apply(graphdef, state, x):
-            return nnx.merge(graphdef, state)(x, positions_BL, segment_ids_BL)
-
-        if remat:
-            apply = jax.checkpoint(apply, policy=policy, prevent_cse=not self.scan, static_argnums=(0,))
         if self.scan:
             graphdef, state = nnx.split(self.layers)
-            x_BLD, stats = jax.lax.scan(lambda x, s: apply(graphdef, s, x), x_BLD, state)
-            return x_BLD, stats
+
+            def apply(s, x):
+                return nnx.merge(graphdef, s)(x, positions_BL, segment_ids_BL)
+
+            if remat:  # inside a scan CSE cannot merge the recomputation away, so it need not be prevented
+                apply = jax.checkpoint(apply, policy=policy, prevent_cse=False)
+            return jax.lax.scan(lambda x, s: apply(s, x), x_BLD, state)
         per_layer = []
         for i in range(self.count):
-            graphdef, state = nnx.split(getattr(self, f"layers_{i}"))
-            x_BLD, stats = apply(graphdef, state, x_BLD)
+            x_BLD, stats = call_remat(getattr(self, f"layers_{i}"), x_BLD, positions_BL, segment_ids_BL, policy, remat)
             per_layer.append(stats)
         return x_BLD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

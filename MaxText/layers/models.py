@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from MaxText.config import layer_counts
 from MaxText.layers.decoder import LayerStack, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update
@@ -21,8 +22,7 @@ class Transformer(nnx.Module):
         cfg = ml_collections.FrozenConfigDict(cfg)  # hashable: module attributes end up in the graphdef
         kw = dict(dtype=dtype_of(cfg.dtype), weight_dtype=dtype_of(cfg.weight_dtype), rules=rules, rngs=rngs)
         moe = cfg.num_experts > 1
-        num_dense = cfg.first_num_dense_layers if moe else cfg.base_num_decoder_layers
-        num_moe = cfg.base_num_decoder_layers - num_dense
+        num_dense, num_moe = layer_counts(cfg)
         self.token_embedder = Embed(cfg, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
         if num_dense:
             self.dense_layers = LayerStack(cfg, num_dense, moe=False, scan=cfg.scan_layers, **kw)
