@@ -38,6 +38,8 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "load_full_state_path": str,
     "ragged_buffer_factor": float,
     "num_devices": int,
+    "dataset_path": str,
+    "tokenizer_path": str,
     "hbm_gib": float,
     "n_routing_groups": int,
     "topk_routing_group": int,
@@ -61,7 +63,7 @@ REMAT_TENSOR_NAMES = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
-DATASET_TYPES = ("synthetic",)
+DATASET_TYPES = ("tfds", "synthetic")
 TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
@@ -318,7 +320,8 @@ def check_positive(cfg) -> None:
     for key in ("steps", "log_period", "checkpoint_period", "base_emb_dim", "base_num_query_heads",
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
-                "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps"):
+                "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
+                "eval_steps"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
     for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
@@ -329,6 +332,8 @@ def check_positive(cfg) -> None:
                 "mtp_loss_scaling_factor"):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
+    if cfg.eval_interval != -1 and cfg.eval_interval < 1:
+        raise ConfigError(f"eval_interval={cfg.eval_interval} must be at least 1, or -1 for no evaluation")
     for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction"):
         if not 0 <= cfg[key] <= 1:
             raise ConfigError(f"{key}={cfg[key]} must be between 0 and 1")

@@ -104,7 +104,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
 
     from MaxText import metrics as metrics_lib, sharding
     from MaxText.checkpointing import Checkpointer
-    from MaxText.data.synthetic import SyntheticData
+    from MaxText.data import make_data
     from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
@@ -133,7 +133,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
             checkpointer.close()
             return None
-        data = SyntheticData(cfg, global_batch, jax.process_index(), jax.process_count())
+        data = make_data(cfg, global_batch, jax.process_index(), jax.process_count())
         batch_sharding = sharding.batch_sharding(mesh)
         step_fn = jit_train_step(cfg, spec, batch_sharding)
         writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary)
@@ -168,7 +168,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
         try:
             with StopFlag() as stop:
                 for step in range(start, cfg.steps):
-                    batch = jax.make_array_from_process_local_data(batch_sharding, data.batch(step))
+                    batch = jax.make_array_from_process_local_data(batch_sharding, next(data))
                     state, step_metrics = step_fn(state, batch)
                     if pending is not None:
                         finish(*pending)

@@ -1,2 +1,31 @@
-"""Input pipelines. Every batch is a dict of [B, L] int32 arrays: inputs, targets, inputs_position,
-inputs_segmentation, targets_segmentation (segment 0 = padding)."""
+"""Input pipelines. Each is an iterator over this process's rows of global batches: dicts of [rows, L] int32
+numpy arrays inputs, targets, inputs_position, inputs_segmentation, targets_segmentation (segment 0 =
+padding), with `state()` (a JSON-able position after the last batch returned) and a `state=` argument that
+resumes exactly there. split="train" is the endless training stream; split="eval" starts from the same
+first batch every time it is made.
+"""
+
+from __future__ import annotations
+
+
+def validate(cfg) -> None:
+    """Fails fast (ConfigError naming the key and path) on a dataset or tokenizer that is not there; builds
+    the embedded python_stdlib dataset when it is missing. Cheap when everything is in place."""
+    if cfg.dataset_type == "tfds":
+        from MaxText.data import tfds_data
+
+        tfds_data.validate(cfg)
+
+
+def make_data(cfg, global_batch: int, process_index: int = 0, process_count: int = 1, *, split: str = "train",
+              state: dict | None = None):
+    """The iterator for cfg.dataset_type; `state` (from a previous iterator's state()) resumes it."""
+    if global_batch % process_count:
+        raise ValueError(f"global batch {global_batch} does not split over {process_count} processes")
+    if cfg.dataset_type == "synthetic":
+        from MaxText.data.synthetic import SyntheticData
+
+        return SyntheticData(cfg, global_batch, process_index, process_count, split=split, state=state)
+    from MaxText.data.tfds_data import TfdsData
+
+    return TfdsData(cfg, global_batch, process_index, process_count, split=split, state=state)
