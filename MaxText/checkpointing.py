@@ -1,12 +1,21 @@
-"""Orbax checkpoints under <base_output_directory>/<run_name>/checkpoints/<step>/items (MaxText's layout).
+"""Orbax checkpoints under <base_output_directory>/<run_name>/checkpoints/<step>/items (MaxText's layout),
+with the input pipeline's position beside the state in <step>/input (JSON).
 
 Start-up order, as in MaxText: an existing checkpoint of this run (auto-resume) first; else
 load_parameters_path (params only, step 0) or load_full_state_path (everything); else a fresh init.
+
+Kill safety: Orbax writes a step into a temporary directory and renames it when complete, so a process
+killed mid-save (SIGKILL, node failure) leaves only a temporary directory that is never listed as a step
+(and is removed at the next start). A complete step that cannot be read (a corrupted file) is skipped with a
+warning for the newest readable one, and renamed <step>.unreadable-<time> so that training can save that
+step again; if none can be read the run stops with an error instead of starting afresh.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -14,6 +23,7 @@ from etils import epath
 from MaxText.config import ConfigError
 
 ITEM = "items"
+INPUT = "input"
 
 
 class Checkpointer:
@@ -27,9 +37,11 @@ class Checkpointer:
             max_to_keep=cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
             create=True,
+            cleanup_tmp_directories=True,  # what a killed save left behind
         )
         # Opened even when saving is off, so that a run can still resume from what is there.
-        self.manager = ocp.CheckpointManager(epath.Path(checkpoint_dir), options=options, item_names=(ITEM,)) \
+        self.manager = ocp.CheckpointManager(epath.Path(checkpoint_dir), options=options,
+                                             item_names=(ITEM, INPUT)) \
             if self.enabled or os.path.isdir(checkpoint_dir) else None
 
     def latest_step(self):
@@ -39,18 +51,84 @@ class Checkpointer:
         """Whether step is saved: multiples of checkpoint_period and the last step (once)."""
         return self.enabled and (last or step % self.period == 0) and step != self.latest_step()
 
-    def save(self, step: int, state) -> None:
-        self.manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
+    def save(self, step: int, state, input_state: dict | None = None) -> None:
+        """Saves the train state and, when given, this process's input position (every process's, gathered,
+        is written once: {"process_count": P, "positions": [one per process]})."""
+        items = {ITEM: ocp.args.StandardSave(state)}
+        if input_state is not None:
+            items[INPUT] = ocp.args.JsonSave({"process_count": _process_count(),
+                                              "positions": _gather_json(input_state)})
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, step: int, abstract_state):
-        args = ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)})
-        return self.manager.restore(step, args=args)[ITEM]
+        """(train state, saved input positions {"process_count", "positions"} or None) of a step."""
+        items = {ITEM: ocp.args.StandardRestore(abstract_state)}
+        has_input = os.path.isdir(os.path.join(self.directory, str(step), INPUT))
+        if has_input:
+            items[INPUT] = ocp.args.JsonRestore()
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return restored[ITEM], restored[INPUT] if has_input else None
+
+    def restore_latest(self, abstract_state, log):
+        """(step, restore()) of the newest readable step, or None when there is no step. Unreadable newer steps are
+        reported and renamed aside (kept for inspection); none readable is an error, never a fresh start."""
+        steps = sorted(self.manager.all_steps(), reverse=True) if self.manager else []
+        failures = []
+        for step in steps:
+            try:
+                restored = self.restore(step, abstract_state)
+            except Exception as e:  # noqa: BLE001 -- any failure to read a step is reported, then the next tried
+                reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                failures.append((step, f"{type(e).__name__}: {reason}"))
+                log(f"warning: checkpoint {self.directory}/{step} cannot be restored ({failures[-1][1]}); "
+                    "trying the previous one")
+                continue
+            for bad, _ in failures:
+                self._set_aside(bad, log)
+            return step, restored
+        if failures:
+            raise ConfigError(f"none of the checkpoints in {self.directory} can be restored (newest, step "
+                              f"{failures[0][0]}: {failures[0][1]}); fix the config to match them, or move the "
+                              "directory away to start afresh")
+        return None
+
+    def _set_aside(self, step: int, log) -> None:
+        import jax
+
+        path = os.path.join(self.directory, str(step))
+        aside = f"{path}.unreadable-{time.strftime('%Y%m%d_%H%M%S')}"
+        if jax.process_index() == 0:
+            os.rename(path, aside)
+        log(f"warning: moved the unreadable checkpoint {path} to {aside}")
+        self.manager.reload()
 
     def close(self):
         """Waits for any async save to finish."""
         if self.manager:
             self.manager.wait_until_finished()
             self.manager.close()
+
+
+def _process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def _gather_json(obj) -> list:
+    """[obj of process 0, obj of process 1, ...] on every process."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = json.dumps(obj).encode()
+    sizes = multihost_utils.process_allgather(np.array([len(data)], np.int32))
+    padded = np.frombuffer(data.ljust(int(np.max(sizes))), np.uint8)
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[:int(size)]).decode()) for row, size in zip(rows, np.ravel(sizes))]
 
 
 def _item_dir(path: str, key: str) -> str:

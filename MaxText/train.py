@@ -76,23 +76,65 @@ class StopFlag:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+def input_position(saved, step: int, log):
+    """This process's input position from a checkpoint's saved positions; None (the input stream restarts)
+    when there are none or they were written by a different number of processes."""
+    import jax
+
+    if saved is None:
+        log(f"warning: checkpoint {step} holds no input position; the input stream restarts from its beginning")
+        return None
+    if saved["process_count"] != jax.process_count():
+        log(f"warning: checkpoint {step} holds input positions for {saved['process_count']} processes and this "
+            f"run has {jax.process_count()}; the input stream restarts from its beginning")
+        return None
+    return saved["positions"][jax.process_index()]
+
+
 def initial_state(cfg, mesh, spec, checkpointer, log):
-    """Resume this run's latest checkpoint, else load_full_state_path / load_parameters_path, else init."""
+    """(state, input position) from this run's newest readable checkpoint, else load_full_state_path /
+    load_parameters_path (input from its beginning), else a fresh init."""
     from MaxText import checkpointing
     from MaxText.state import create_state
 
-    latest = checkpointer.latest_step()
+    latest = checkpointer.restore_latest(spec.abstract, log)
     if latest is not None:
-        log(f"resuming from {checkpointer.directory}/{latest}")
-        return checkpointer.restore(latest, spec.abstract)
+        step, (state, saved_input) = latest
+        log(f"resuming from {checkpointer.directory}/{step}")
+        return state, input_position(saved_input, step, log)
     if cfg.load_full_state_path:
         log(f"loading the full state from {cfg.load_full_state_path}")
-        return checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract)
+        return checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract), None
     state = create_state(cfg, mesh, spec)
     if cfg.load_parameters_path:
         log(f"loading params from {cfg.load_parameters_path}")
         state["params"] = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"])
-    return state
+    return state, None
+
+
+class Evaluator:
+    """eval_steps batches of eval_split, read once and kept on device (they are the same every time), and the
+    token-weighted mean cross-entropy of a state over them."""
+
+    def __init__(self, cfg, spec, batch_sharding, global_batch: int):
+        import jax
+
+        from MaxText.data import make_data
+        from MaxText.train_step import jit_eval_step
+
+        data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), split="eval")
+        self.batches = [jax.make_array_from_process_local_data(batch_sharding, next(data))
+                        for _ in range(cfg.eval_steps)]
+        self.step = jit_eval_step(cfg, spec, batch_sharding)
+
+    def __call__(self, state) -> dict:
+        import jax
+        import numpy as np
+
+        sums = jax.device_get([self.step(state, batch) for batch in self.batches])
+        loss_sum, tokens = sum(s["loss_sum"] for s in sums), sum(s["tokens"] for s in sums)
+        loss = float(loss_sum / max(tokens, 1.0))
+        return {"eval_loss": loss, "eval_perplexity": float(np.exp(loss)), "eval_tokens": int(tokens)}
 
 
 def train(cfg, log=print, devices=None) -> dict | None:
@@ -104,12 +146,13 @@ def train(cfg, log=print, devices=None) -> dict | None:
 
     from MaxText import metrics as metrics_lib, sharding
     from MaxText.checkpointing import Checkpointer
-    from MaxText.data import make_data
+    from MaxText.data import make_data, validate
     from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
     check_available(cfg)  # te_dropless: TE and a suitable GPU, before anything is built
+    validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
     if cfg.num_devices and cfg.num_devices != visible:
         raise ConfigError(f"num_devices={cfg.num_devices} but {visible} devices are visible; launch on "
@@ -127,15 +170,16 @@ def train(cfg, log=print, devices=None) -> dict | None:
     checkpointer = Checkpointer(cfg, checkpoint_dir)
     with jax.set_mesh(mesh), mesh_context(cfg):
         bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (num_devices // mesh.shape["tensor"]))
-        state = initial_state(cfg, mesh, spec, checkpointer, log)
+        state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
             checkpointer.close()
             return None
-        data = make_data(cfg, global_batch, jax.process_index(), jax.process_count())
+        data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), state=position)
         batch_sharding = sharding.batch_sharding(mesh)
         step_fn = jit_train_step(cfg, spec, batch_sharding)
+        evaluate = Evaluator(cfg, spec, batch_sharding, global_batch) if cfg.eval_interval != -1 else None
         writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary)
         peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
         tokens_per_step = global_batch * cfg.max_target_length
@@ -177,8 +221,15 @@ def train(cfg, log=print, devices=None) -> dict | None:
                     if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
                         finish(*pending)  # a state is saved only once its step is known to be finite
                         pending = None
-                        checkpointer.save(step + 1, state)
+                        checkpointer.save(step + 1, state, data.state())
                         log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
+                    if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
+                        if pending is not None:  # the step's own record first
+                            finish(*pending)
+                            pending = None
+                        record = writer.write(step + 1, evaluate(state))
+                        progress.write(f"eval at step {step + 1}: loss {record['eval_loss']:.4f}, perplexity "
+                                       f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens")
                     if stopping:
                         log(f"SIGTERM: stopped after step {step + 1}")
                         break

@@ -14,13 +14,17 @@ from MaxText.losses import cross_entropy
 from MaxText.optimizers import learning_rate_schedule
 
 
+def _model(graphdef, params, nnx_aux):
+    return nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
+
+
 def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
     """Token-mean cross-entropy over real target tokens, plus the weighted MoE load-balance and z losses
     (summed over MoE layers: each router is balanced on its own) and the scaled Multi-Token Prediction loss.
 
     Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, mtp_loss, moe stats, mtp stats}.
     """
-    model = nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
+    model = _model(graphdef, params, nnx_aux)
     h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     lm_loss = cross_entropy(h_BLD, batch["targets"], weights_BL, model.logits, cfg.num_vocab_tiling)
@@ -85,3 +89,20 @@ def jit_train_step(cfg, spec, batch_sharding):
     step = functools.partial(train_step, graphdef=spec.graphdef, cfg=cfg, tx=spec.tx)
     return jax.jit(step, in_shardings=(spec.shardings, batch_sharding),
                    out_shardings=(spec.shardings, None), donate_argnums=(0,))
+
+
+def eval_step(state, batch, *, graphdef, cfg):
+    """The summed cross-entropy of a batch's real target tokens and their number (so that batches with
+    different amounts of padding average right); no router or MTP losses."""
+    model = _model(graphdef, state["params"], state.get("nnx_aux"))
+    h_BLD, _ = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    tokens = jnp.sum(weights_BL)
+    mean = cross_entropy(h_BLD, batch["targets"], weights_BL, model.logits, cfg.num_vocab_tiling)
+    return {"loss_sum": mean * jnp.maximum(tokens, 1.0), "tokens": tokens}
+
+
+def jit_eval_step(cfg, spec, batch_sharding):
+    """eval_step jitted with the train state's shardings (nothing donated)."""
+    step = functools.partial(eval_step, graphdef=spec.graphdef, cfg=cfg)
+    return jax.jit(step, in_shardings=(spec.shardings, batch_sharding), out_shardings=None)

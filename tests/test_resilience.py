@@ -15,7 +15,7 @@ from MaxText import checkpointing
 from MaxText.config import load_config
 from MaxText.state import state_spec
 from MaxText.train import NonFiniteError, main, train
-from tests.tiny import TINY
+from tests.tiny import TINY, losses, train_records
 
 
 def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys):
@@ -39,7 +39,7 @@ def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys
     bad_step = int(err.split()[2].rstrip(":"))
     assert max(steps) < bad_step, (steps, bad_step)
     for step in steps:
-        params = ckpt.restore(step, spec.abstract)["params"]
+        params = ckpt.restore(step, spec.abstract)[0]["params"]
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), f"checkpoint {step}"
     ckpt.close()
     with pytest.raises(NonFiniteError):  # the library call raises the same error
@@ -73,3 +73,131 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tmp_path):
     lines = []
     train(cfg, log=lines.append)
     assert any(f"resuming from {tmp_path}/term/checkpoints/{stopped}" in line for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """Six steps checkpointed every 2 (checkpoints 2, 4, 6): (run directory, losses, config args)."""
+    tmp = tmp_path_factory.mktemp("six")
+    args = TINY + [f"base_output_directory={tmp}", "run_name=six", "steps=6", "checkpoint_period=2", "log_period=1"]
+    return tmp / "six", losses(train_records(load_config(args))), args
+
+
+def _garble(step_dir):
+    """Overwrites every file of a checkpoint step with bytes no reader accepts (a disk or copy gone wrong)."""
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            with open(os.path.join(root, name), "r+b") as f:
+                size = max(os.path.getsize(f.name), 16)
+                f.write(b"\xde\xad" * (size // 2))
+
+
+def test_checkpoint_holds_the_input_position(six_steps):
+    run_dir, _, args = six_steps
+    cfg = load_config(args)
+    spec = state_spec(cfg, __import__("MaxText.sharding").sharding.create_mesh(cfg, jax.devices()))
+    ckpt = checkpointing.Checkpointer(cfg, str(run_dir / "checkpoints"))
+    assert ckpt.restore(4, spec.abstract)[1] == {"process_count": 1, "positions": [{"batches": 4}]}
+    ckpt.close()
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, six_steps):
+    """Newest checkpoint garbled: a warning names it, it is set aside (not deleted), the run resumes from the
+    previous one and reproduces the uninterrupted losses. With every checkpoint garbled: a one-line error,
+    never a fresh start."""
+    import shutil
+
+    source, full, args = six_steps
+    run_dir = tmp_path / "six"
+    shutil.copytree(source, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "6")  # as if the run had stopped after saving step 4
+    _garble(run_dir / "checkpoints" / "4")
+    args = [a for a in args if not a.startswith("base_output_directory")] + [f"base_output_directory={tmp_path}"]
+    lines = []
+    records = train_records(load_config(args), log=lines.append)
+    warning = f"warning: checkpoint {run_dir}/checkpoints/4 cannot be restored"
+    assert any(line.startswith(warning) for line in lines), lines
+    assert any(f"resuming from {run_dir}/checkpoints/2" in line for line in lines), lines
+    aside = [name for name in os.listdir(run_dir / "checkpoints") if name.startswith("4.unreadable-")]
+    assert len(aside) == 1, os.listdir(run_dir / "checkpoints")
+    assert [r["step"] for r in records] == [3, 4, 5, 6]
+    np.testing.assert_allclose(losses(records), full[2:], rtol=1e-6)
+
+    for step in ("2", "4", "6"):
+        _garble(run_dir / "checkpoints" / step)
+    code = main(args + ["steps=8"])
+    assert code == 2, "every checkpoint unreadable must stop the run, not start it afresh"
+    assert not (run_dir / "checkpoints" / "8").exists()
+
+
+def _run_until(args, env, done, timeout=180):
+    """Starts the trainer as a subprocess and returns it (still running) once done(output so far) is true."""
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_FINALIZE, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    out, deadline = [], time.time() + timeout
+    while not done("".join(out)):
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "trainer ended early:\n" + "".join(out)
+        out.append(line)
+        assert time.time() < deadline, "timed out:\n" + "".join(out)
+    return proc, "".join(out)
+
+
+# The trainer, with Orbax's final rename of a finished checkpoint delayed by a second: a SIGKILL right after
+# "saved checkpoint" then lands in the middle of the asynchronous save every time, not just by luck.
+_SLOW_FINALIZE = """
+import asyncio, sys
+from orbax.checkpoint._src.path import atomicity
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def slow_finalize(self, *args, **kwargs):
+    await asyncio.sleep(1.0)
+    return await finalize(self, *args, **kwargs)
+atomicity.AtomicRenameTemporaryPath.finalize = slow_finalize
+from MaxText.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_path, six_steps):
+    """SIGKILL during the asynchronous save of the first checkpoint, between checkpoints, and during a later
+    save: each rerun resumes from the newest complete checkpoint (or from scratch when there is none), never
+    from a partial one, and the finished run's losses equal an uninterrupted run's."""
+    _, full, args = six_steps
+    args = [a for a in args if not a.startswith("base_output_directory")] + [f"base_output_directory={tmp_path}"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1",  # XLA_FLAGS: conftest's 8 devices, as in the reference run
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    ckpt_dir = tmp_path / "six" / "checkpoints"
+
+    def complete_steps():
+        return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if ckpt_dir.exists() else []
+
+    def partial_saves():
+        return [n for n in os.listdir(ckpt_dir) if "orbax-checkpoint-tmp" in n]
+
+    kill_points = [  # (when to kill, complete checkpoints expected afterwards)
+        (lambda out: f"saved checkpoint {ckpt_dir}/2" in out, [], "during the async save of step 2"),
+        (lambda out: complete_steps() == [2] and "completed step: 3," in out, [2], "between checkpoints"),
+        (lambda out: f"saved checkpoint {ckpt_dir}/4" in out, [2], "during the async save of step 4"),
+    ]
+    resumed_from = []
+    for done, expected, when in kill_points:
+        proc, out = _run_until(args, env, done)
+        resumed_from.append(out.split("resuming from ")[1].split()[0] if "resuming from " in out else None)
+        if "async save" in when:
+            assert partial_saves(), f"killed {when}, but no save was in flight: {os.listdir(ckpt_dir)}"
+        proc.kill()
+        proc.wait()
+        assert complete_steps() == expected, f"after a SIGKILL {when}: {os.listdir(ckpt_dir)}"
+    assert resumed_from == [None, None, f"{ckpt_dir}/2"], resumed_from
+
+    result = subprocess.run([sys.executable, "-m", "MaxText.train", *args], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resuming from {ckpt_dir}/2" in result.stdout, result.stdout
+    assert not partial_saves(), os.listdir(ckpt_dir)
+    last = {}
+    for line in (tmp_path / "six" / "metrics" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        last[record["step"]] = record["loss"]  # a rerun step's record is the one that counts
+    np.testing.assert_allclose([last[s] for s in range(1, 7)], full, rtol=1e-6)

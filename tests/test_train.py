@@ -66,6 +66,12 @@ def test_default_config_loss_falls_and_outputs_are_written(tmp_path, monkeypatch
     cfg = load_config(["steps=40", "run_name=default", "checkpoint_period=20", "log_period=1"])
     assert cfg.base_output_directory == "outputs" and cfg.async_checkpointing
     records = train_records(cfg, devices=jax.devices()[:1])
+    evals = [r for r in records if "eval_loss" in r]
+    records = [r for r in records if "eval_loss" not in r]
+    assert [r["step"] for r in evals] == [40], "eval_interval=100 evaluates at the last step only"
+    assert 0 < evals[0]["eval_loss"] < 4.0, evals
+    assert evals[0]["eval_tokens"] == cfg.eval_steps * 2 * cfg.max_target_length, evals
+    np.testing.assert_allclose(evals[0]["eval_perplexity"], np.exp(evals[0]["eval_loss"]), rtol=1e-6)
     tmp_path = tmp_path / "outputs"
     assert [r["step"] for r in records] == list(range(1, 41))
     loss = losses(records)

@@ -15,8 +15,8 @@ def tiny_config(*overrides):
     return load_config(TINY + list(overrides))
 
 
-def train_records(cfg, devices=None) -> list[dict]:
-    """Trains cfg (quietly) and returns the metrics records this run appended to its metrics.jsonl."""
+def train_records(cfg, devices=None, log=lambda *_: None) -> list[dict]:
+    """Trains cfg (quietly, unless given a log) and returns the records this run appended to its metrics.jsonl."""
     import json
     import os
 
@@ -24,7 +24,7 @@ def train_records(cfg, devices=None) -> list[dict]:
 
     path = os.path.join(os.path.abspath(cfg.base_output_directory), cfg.run_name, "metrics", "metrics.jsonl")
     before = sum(1 for _ in open(path)) if os.path.exists(path) else 0
-    train(cfg, log=lambda *_: None, devices=devices)
+    train(cfg, log=log, devices=devices)
     with open(path) as f:
         return [json.loads(line) for line in f][before:]
 
