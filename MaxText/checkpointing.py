@@ -142,10 +142,17 @@ def _item_dir(path: str, key: str) -> str:
 
 
 def load_full_state(path: str, abstract_state):
-    """The whole train state (step, params, optimizer) from an item directory."""
+    """(train state, saved input positions or None) from an item directory: the whole state (step, params,
+    optimizer) and, when the step beside it holds one, the input position, so the loaded run reads on
+    where its source stopped."""
     path = _item_dir(path, "load_full_state_path")
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(path, abstract_state)
+        state = ckptr.restore(path, abstract_state)
+    input_dir = os.path.join(os.path.dirname(path), INPUT)
+    if not os.path.isdir(input_dir):
+        return state, None
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+        return state, ckptr.restore(input_dir)
 
 
 def load_params(path: str, abstract_params):

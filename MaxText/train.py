@@ -82,18 +82,20 @@ def input_position(saved, step: int, log):
     import jax
 
     if saved is None:
-        log(f"warning: checkpoint {step} holds no input position; the input stream restarts from its beginning")
+        log(f"warning: the checkpoint of step {step} holds no input position; the input stream restarts from its "
+            "beginning")
         return None
     if saved["process_count"] != jax.process_count():
-        log(f"warning: checkpoint {step} holds input positions for {saved['process_count']} processes and this "
+        log(f"warning: the checkpoint of step {step} holds input positions for {saved['process_count']} processes and this "
             f"run has {jax.process_count()}; the input stream restarts from its beginning")
         return None
     return saved["positions"][jax.process_index()]
 
 
 def initial_state(cfg, mesh, spec, checkpointer, log):
-    """(state, input position) from this run's newest readable checkpoint, else load_full_state_path /
-    load_parameters_path (input from its beginning), else a fresh init."""
+    """(state, input position) from this run's newest readable checkpoint, else load_full_state_path (with its
+    input position when saved beside it) or load_parameters_path (input from its beginning), else a fresh
+    init."""
     from MaxText import checkpointing
     from MaxText.state import create_state
 
@@ -104,7 +106,8 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
         return state, input_position(saved_input, step, log)
     if cfg.load_full_state_path:
         log(f"loading the full state from {cfg.load_full_state_path}")
-        return checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract), None
+        state, saved_input = checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract)
+        return state, input_position(saved_input, int(state["step"]), log)
     state = create_state(cfg, mesh, spec)
     if cfg.load_parameters_path:
         log(f"loading params from {cfg.load_parameters_path}")

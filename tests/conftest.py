@@ -11,6 +11,13 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiz
     if _flag.split("=")[0] not in _flags:
         _flags += " " + _flag
 os.environ["XLA_FLAGS"] = _flags.strip()
+# Many tests build the same programs again (each train() call jits afresh, subprocess trainers start cold):
+# a compilation cache for the session turns those recompiles into reads. Subprocesses inherit it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_cache_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

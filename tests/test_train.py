@@ -121,7 +121,8 @@ def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
     cfg = load_config(TINY)
     spec = state_spec(cfg, sharding.create_mesh(cfg))
     params = checkpointing.load_params(item, spec.abstract["params"])
-    saved = checkpointing.load_full_state(item, spec.abstract)
+    saved, saved_input = checkpointing.load_full_state(item, spec.abstract)
+    assert saved_input == {"process_count": 1, "positions": [{"batches": 3}]}, saved_input
     jax.tree.map(np.testing.assert_array_equal, params, saved["params"])
 
     records = run(tmp_path, "run_name=from_params", "steps=2", f"load_parameters_path={item}")
