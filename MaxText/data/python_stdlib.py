@@ -1,8 +1,11 @@
 """`dataset_name=python_stdlib`: this interpreter's standard-library sources as a TFDS dataset, built locally.
 
-One document per `.py` file under `sysconfig.get_paths()["stdlib"]` (site-packages, dist-packages and
-__pycache__ left out), features {"text", "path"}, read as UTF-8 with undecodable bytes replaced. A file goes
-to "validation" when zlib.crc32(its relative path) % 50 == 0 and to "train" otherwise, so the split never
+The `.py` files under `sysconfig.get_paths()["stdlib"]` (site-packages, dist-packages and __pycache__ left
+out), read as UTF-8 with undecodable bytes replaced, cut into documents of whole top-level blocks of at least
+DOCUMENT_CHARS characters (a cut falls only before a line that starts a top-level statement, after a blank
+line); features {"text", "path"}. Why cut: the files run to 100+ KB, and whole files would fill every row of
+a small run's batches from one file for hundreds of steps; blocks let the shuffle mix many files per batch. A file goes
+(all its documents) goes to "validation" when zlib.crc32(its relative path) % 50 == 0 and to "train" otherwise, so the split never
 depends on the file count or the walk order. The sources differ between Python versions, so the builder
 config is named after the interpreter (e.g. `py3_12_1`) and each Python builds its own copy. Nothing is
 downloaded: the build reads local files only.
@@ -33,6 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 VALIDATION_MODULUS = 50  # one file in ~50 is held out
+DOCUMENT_CHARS = 2000  # a document ends at the first top-level block boundary after this many characters
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
 INTERPRETER_CONFIG = "py" + "_".join(str(v) for v in sys.version_info[:3])
 
@@ -49,6 +53,22 @@ def relative_sources(root: str) -> list[str]:
     return sorted(found)
 
 
+def documents(text: str) -> list[str]:
+    """text cut into runs of whole top-level blocks of at least DOCUMENT_CHARS characters (the last may be
+    shorter); "".join(documents(text)) == text."""
+    lines = text.splitlines(keepends=True)
+    docs, start, size = [], 0, 0
+    for i, line in enumerate(lines):
+        boundary = i > 0 and not lines[i - 1].strip() and line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")")
+        if boundary and size >= DOCUMENT_CHARS:
+            docs.append("".join(lines[start:i]))
+            start, size = i, 0
+        size += len(line)
+    if start < len(lines):
+        docs.append("".join(lines[start:]))
+    return docs
+
+
 def split_of(relative_path: str) -> str:
     """'validation' or 'train', a pure function of the path."""
     return "validation" if zlib.crc32(relative_path.encode()) % VALIDATION_MODULUS == 0 else "train"
@@ -56,10 +76,11 @@ def split_of(relative_path: str) -> str:
 
 # Run as `python -m`, this file is `__main__`; only the importable copy registers the name python_stdlib.
 class PythonStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=__name__ == "__main__"):
-    """The standard-library `.py` files of the running interpreter, one document each."""
+    """The standard-library `.py` files of the running interpreter, in documents of top-level blocks."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "One document per .py file; validation = crc32(path) % 50 == 0."}
+    VERSION = tfds.core.Version("2.0.0")
+    RELEASE_NOTES = {"1.0.0": "One document per .py file; validation = crc32(path) % 50 == 0.",
+                     "2.0.0": "Files cut into documents of whole top-level blocks (>= 2000 characters)."}
     BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=INTERPRETER_CONFIG,
                                                description=f"Python {sys.version.split()[0]} standard library")]
     # The directory read at build time; tests point it at a small tree.
@@ -82,7 +103,8 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder, skip_registration=__name__ =
     def _generate_examples(self, paths):
         for rel in paths:
             with open(os.path.join(self.stdlib_root, rel), encoding="utf-8", errors="replace") as f:
-                yield rel, {"text": f.read(), "path": rel}
+                for i, doc in enumerate(documents(f.read())):
+                    yield f"{rel}:{i}", {"text": doc, "path": rel}
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ process_count)[process_index], and only the "text" feature of each record.
 Order. The train stream is endless, epoch after epoch. Epoch e reads this process's part with its files
 shuffled and then a SHUFFLE_BUFFER-document shuffle buffer, both seeded by (data_shuffle_seed, e,
 process_index), under tf.data's deterministic options: the same seed gives the same batches, run after run.
-The eval stream reads its split once, in file order, and then returns all-padding batches (tokens 0,
+The eval stream reads its split once, in one fixed shuffled order (seeded as epoch EVAL_EPOCH), so
+that eval_steps batches sample the whole split and are the same every time, and then returns all-padding batches (tokens 0,
 segment 0) so that every process can run the same number of eval steps.
 
 Packing. A document of tokens t becomes the sequence s = [BOS] + t + [EOS] (BOS only with add_bos, EOS only
@@ -46,6 +47,7 @@ except RuntimeError:  # TF already initialised its devices elsewhere in this pro
     pass
 
 SHUFFLE_BUFFER = 1024  # documents; on top of the shuffled file order
+EVAL_EPOCH = 2**31 - 1  # the "epoch" whose order the eval stream reads
 KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 
 
@@ -198,15 +200,16 @@ class TfdsData:
     def epoch_texts(self, epoch: int, skip: int = 0):
         """An iterator over the texts (bytes) of this process's documents in epoch `epoch`'s order, from
         document number `skip` on."""
-        seed = epoch_seed(self.seed, epoch, self.process_index)
+        # Eval reads the same sample every time: a fixed order, drawn once with its own seed (a split is often
+        # sorted, e.g. by file, and eval_steps batches may cover only part of it).
+        seed = epoch_seed(self.seed, epoch if self.train else EVAL_EPOCH, self.process_index)
         options = tf.data.Options()
         options.deterministic = True
         read_config = tfds.ReadConfig(shuffle_seed=seed, try_autocache=False, options=options)
         with python_stdlib.quiet_tfds():
-            ds = self.builder.as_dataset(split=self.split, shuffle_files=self.train, read_config=read_config,
+            ds = self.builder.as_dataset(split=self.split, shuffle_files=True, read_config=read_config,
                                          decoders=tfds.decode.PartialDecoding({"text": True}))
         ds = ds.map(lambda example: example["text"])
-        if self.train:
-            ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=False)
+        ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=False)
         # The skipped records are read (and pass through the shuffle buffer) but are not tokenized.
         return ds.skip(skip).prefetch(64).with_options(options).as_numpy_iterator()
