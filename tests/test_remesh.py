@@ -74,7 +74,7 @@ def _restore(tmp, mesh_overrides):
     mesh = sharding.create_mesh(cfg)
     checkpointer = Checkpointer(cfg, f"{tmp}/source/checkpoints")  # what auto-resume restores with
     try:
-        return mesh, checkpointer.restore(2, state_spec(cfg, mesh).abstract)
+        return mesh, checkpointer.restore(2, state_spec(cfg, mesh).abstract)[0]
     finally:
         checkpointer.close()
 
