@@ -59,24 +59,27 @@ def test_params_are_created_sharded():
 
 
 def test_default_config_loss_falls_and_outputs_are_written(tmp_path, monkeypatch):
-    """40 steps of configs/base.yml on one device (as the README's run on a plain CPU) learn the synthetic
-    process: the loss falls from about ln(512) = 6.2 to well under 4. Metrics, TensorBoard events and
-    (async) checkpoints land where MaxText puts them, under the default relative `outputs` directory."""
+    """40 steps of configs/base.yml on one device (as the README's run on a plain CPU) learn the Python
+    standard library's text: from about ln(512) = 6.2 to an eval loss well under the 3.25 nats/token of a
+    model that knows only byte frequencies (`python -m MaxText.data.python_stdlib` measures it). Metrics,
+    eval records, TensorBoard events and (async) checkpoints land where MaxText puts them, under the default
+    relative `outputs` directory."""
     monkeypatch.chdir(tmp_path)
     cfg = load_config(["steps=40", "run_name=default", "checkpoint_period=20", "log_period=1"])
     assert cfg.base_output_directory == "outputs" and cfg.async_checkpointing
+    assert cfg.dataset_type == "tfds" and cfg.dataset_name == "python_stdlib"
     records = train_records(cfg, devices=jax.devices()[:1])
     evals = [r for r in records if "eval_loss" in r]
     records = [r for r in records if "eval_loss" not in r]
     assert [r["step"] for r in evals] == [40], "eval_interval=100 evaluates at the last step only"
-    assert 0 < evals[0]["eval_loss"] < 4.0, evals
-    assert evals[0]["eval_tokens"] == cfg.eval_steps * 2 * cfg.max_target_length, evals
+    assert evals[0]["eval_tokens"] == cfg.eval_steps * cfg.per_device_batch_size * cfg.max_target_length, evals
+    assert evals[0]["eval_loss"] < 3.25 - 0.3, f"eval loss {evals[0]['eval_loss']} is not well below unigram"
     np.testing.assert_allclose(evals[0]["eval_perplexity"], np.exp(evals[0]["eval_loss"]), rtol=1e-6)
     tmp_path = tmp_path / "outputs"
     assert [r["step"] for r in records] == list(range(1, 41))
     loss = losses(records)
     assert loss[0] > 5.5, loss[:3]
-    assert loss[-5:].mean() < 4.0, f"loss did not fall: first {loss[:3]}, last {loss[-5:]}"
+    assert loss[-5:].mean() < 3.0, f"loss did not fall: first {loss[:3]}, last {loss[-5:]}"
     for key in ("step", "loss", "lm_loss", "moe_aux_loss", "grad_norm", "learning_rate", "step_time_s",
                 "tokens_per_s_per_device", "tflops_per_device", "mfu"):
         assert key in records[-1], key
