@@ -86,8 +86,8 @@ def input_position(saved, step: int, log):
             "beginning")
         return None
     if saved["process_count"] != jax.process_count():
-        log(f"warning: the checkpoint of step {step} holds input positions for {saved['process_count']} processes and this "
-            f"run has {jax.process_count()}; the input stream restarts from its beginning")
+        log(f"warning: the checkpoint of step {step} holds input positions for {saved['process_count']} processes "
+            f"and this run has {jax.process_count()}; the input stream restarts from its beginning")
         return None
     return saved["positions"][jax.process_index()]
 

@@ -405,3 +405,22 @@ def test_real_stdlib_listing():
     excluded = [p for p in paths if set(p.split("/")) & set(python_stdlib.EXCLUDED_DIRS)]
     assert not excluded, f"excluded directories listed: {excluded[:5]}"
     assert python_stdlib.INTERPRETER_CONFIG == "py" + "_".join(map(str, sys.version_info[:3]))
+
+
+def test_stdlib_files_are_cut_between_top_level_statements():
+    """Each piece is whole top-level statements (decorators stay with their definition), at least
+    DOCUMENT_CHARS long but the last, and compiles; the pieces join back to the file. Unparsable text
+    (Python 2) stays whole."""
+    root = python_stdlib.PythonStdlib.stdlib_root
+    for rel in ("os.py", "argparse.py", "email/message.py", "dataclasses.py"):
+        with open(f"{root}/{rel}", encoding="utf-8") as f:
+            text = f.read()
+        docs = python_stdlib.documents(text)
+        assert "".join(docs) == text, rel
+        assert len(docs) > 3 and all(len(d) >= python_stdlib.DOCUMENT_CHARS for d in docs[:-1]), (rel, len(docs))
+        for i, doc in enumerate(docs):
+            compile(doc, f"{rel} piece {i}", "exec")
+    decorated = f"x = '{'a' * 2500}'\n" + "@property\n\n@staticmethod\ndef f():\n    return 1\n"
+    docs = python_stdlib.documents(decorated)
+    assert len(docs) == 2 and docs[1].startswith("@property"), docs[1][:40]
+    assert python_stdlib.documents("print 'python 2'\n" * 300) == ["print 'python 2'\n" * 300]

@@ -16,7 +16,8 @@ def run(tmp_path, impl):
     cfg = load_config(["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=32", "steps=4",
                        "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
-                       "routed_bias_update_rate=0.01", f"base_output_directory={tmp_path}", f"run_name={impl}",
+                       "routed_bias_update_rate=0.01", "dataset_type=synthetic", "eval_interval=-1",
+                       f"base_output_directory={tmp_path}", f"run_name={impl}",
                        *IMPLS[impl]])
     return train_records(cfg)
 

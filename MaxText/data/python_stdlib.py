@@ -1,14 +1,14 @@
 """`dataset_name=python_stdlib`: this interpreter's standard-library sources as a TFDS dataset, built locally.
 
 The `.py` files under `sysconfig.get_paths()["stdlib"]` (site-packages, dist-packages and __pycache__ left
-out), read as UTF-8 with undecodable bytes replaced, cut into documents of whole top-level blocks of at least
-DOCUMENT_CHARS characters (a cut falls only before a line that starts a top-level statement, after a blank
-line); features {"text", "path"}. Why cut: the files run to 100+ KB, and whole files would fill every row of
-a small run's batches from one file for hundreds of steps; blocks let the shuffle mix many files per batch. A file goes
-(all its documents) goes to "validation" when zlib.crc32(its relative path) % 50 == 0 and to "train" otherwise, so the split never
-depends on the file count or the walk order. The sources differ between Python versions, so the builder
-config is named after the interpreter (e.g. `py3_12_1`) and each Python builds its own copy. Nothing is
-downloaded: the build reads local files only.
+out), read as UTF-8 with undecodable bytes replaced, cut into documents of whole top-level statements of at least
+DOCUMENT_CHARS characters (cut only between top-level statements, found by `ast`, so each piece
+compiles); features {"text", "path"}. Why cut: the files run to 100+ KB, and whole files would fill every row of
+a small run's batches from one file for hundreds of steps; blocks let the shuffle mix many files per batch.
+A file (all its documents) goes to "validation" when zlib.crc32(its relative path) % 50 == 0 and to "train"
+otherwise, so the split never depends on the file count or the walk order. The sources differ between
+Python versions, so the builder config is named after the interpreter (e.g. `py3_12_1`) and each Python
+builds its own copy. Nothing is downloaded: the build reads local files only.
 
     python -m MaxText.data.python_stdlib [--data_dir DIR]
 
@@ -20,14 +20,17 @@ training run's loss should go well below.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import logging
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
+import warnings
 import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is first imported: no C++ INFO lines
@@ -54,19 +57,25 @@ def relative_sources(root: str) -> list[str]:
 
 
 def documents(text: str) -> list[str]:
-    """text cut into runs of whole top-level blocks of at least DOCUMENT_CHARS characters (the last may be
-    shorter); "".join(documents(text)) == text."""
-    lines = text.splitlines(keepends=True)
-    docs, start, size = [], 0, 0
-    for i, line in enumerate(lines):
-        boundary = i > 0 and not lines[i - 1].strip() and line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")")
-        if boundary and size >= DOCUMENT_CHARS:
-            docs.append("".join(lines[start:i]))
-            start, size = i, 0
-        size += len(line)
-    if start < len(lines):
-        docs.append("".join(lines[start:]))
-    return docs
+    """text cut into runs of whole top-level statements (a decorated definition with its decorators) of at
+    least DOCUMENT_CHARS characters, the last possibly shorter; "".join(documents(text)) == text, and each
+    piece compiles if text does. Text that does not parse stays one document."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings of old code (invalid escapes) are not ours to fix
+            body = ast.parse(text).body
+    except (SyntaxError, ValueError):  # e.g. Python 2 test data
+        return [text] if text else []
+    starts = sorted({min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+                     for node in body[1:]})
+    lines = re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", text)  # ast's line breaks; not str.splitlines'
+    docs, start = [], 0
+    for cut in starts + [len(lines)]:
+        piece = "".join(lines[start:cut])
+        if cut == len(lines) or len(piece) >= DOCUMENT_CHARS:
+            docs.append(piece)
+            start = cut
+    return [d for d in docs if d]
 
 
 def split_of(relative_path: str) -> str:

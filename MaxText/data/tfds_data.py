@@ -8,9 +8,9 @@ process_count)[process_index], and only the "text" feature of each record.
 Order. The train stream is endless, epoch after epoch. Epoch e reads this process's part with its files
 shuffled and then a SHUFFLE_BUFFER-document shuffle buffer, both seeded by (data_shuffle_seed, e,
 process_index), under tf.data's deterministic options: the same seed gives the same batches, run after run.
-The eval stream reads its split once, in one fixed shuffled order (seeded as epoch EVAL_EPOCH), so
-that eval_steps batches sample the whole split and are the same every time, and then returns all-padding batches (tokens 0,
-segment 0) so that every process can run the same number of eval steps.
+The eval stream reads its split once, in one fixed shuffled order (seeded as epoch EVAL_EPOCH), so that
+eval_steps batches sample the whole split and are the same every time, and then returns all-padding
+batches (tokens 0, segment 0) so that every process can run the same number of eval steps.
 
 Packing. A document of tokens t becomes the sequence s = [BOS] + t + [EOS] (BOS only with add_bos, EOS only
 with add_eos) and the (input, target) pairs (s[i], s[i+1]): with both, inputs = [BOS] + t and targets =
