@@ -424,3 +424,19 @@ def test_stdlib_files_are_cut_between_top_level_statements():
     docs = python_stdlib.documents(decorated)
     assert len(docs) == 2 and docs[1].startswith("@property"), docs[1][:40]
     assert python_stdlib.documents("print 'python 2'\n" * 300) == ["print 'python 2'\n" * 300]
+
+
+def test_python_stdlib_concurrent_builds_build_once(fake_stdlib, tmp_path):
+    """Processes of one job starting together (threads here: the file lock excludes them the same way)
+    build the dataset once; every one gets the prepared dataset."""
+    import threading
+
+    data, logged, builders = str(tmp_path / "data"), [], []
+    threads = [threading.Thread(target=lambda: builders.append(python_stdlib.build(data, log=logged.append)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(logged) == 1, logged
+    assert len(builders) == 3 and all(b.is_prepared() for b in builders)

@@ -133,14 +133,25 @@ def quiet_tfds():
 
 
 def build(data_dir: str, log=print) -> PythonStdlib:
-    """The builder over data_dir, prepared: built (with one log line) only when not there yet."""
+    """The builder over data_dir, prepared: built (with one log line) only when not there yet. The processes
+    of a multi-process job on one machine build it once: the others wait on a file lock, then find it built."""
+    import fcntl
+
     builder = PythonStdlib(data_dir=data_dir)
     with quiet_tfds():
         prepared = builder.is_prepared()
-    if not prepared:
-        log(f"building the python_stdlib dataset from {builder.stdlib_root} into {builder.data_dir}")
+    if prepared:
+        return builder
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, ".python_stdlib.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        builder = PythonStdlib(data_dir=data_dir)  # looks again: another process may have built it meanwhile
         with quiet_tfds():
-            builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+            prepared = builder.is_prepared()
+        if not prepared:
+            log(f"building the python_stdlib dataset from {builder.stdlib_root} into {builder.data_dir}")
+            with quiet_tfds():
+                builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     return builder
 
 
