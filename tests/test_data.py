@@ -267,12 +267,17 @@ def test_sentencepiece_tokenizer_packs(data_dir, tmp_path):
     cfg = config(data_dir, f"tokenizer_path={path}")
     tok = load_tokenizer(cfg)
     assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size <= 64
+    assert_round_trip_and_packing(cfg, tok, "SentencePiece")
+
+
+def assert_round_trip_and_packing(cfg, tok, name):
+    """tok decodes its own encoding, and the pipeline packs its ids like the reference packer."""
     assert tok.decode(tok.encode(TRAIN_DOCS[0])) == TRAIN_DOCS[0]
     it = TfdsData(cfg, 2)
-    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_texts(0)], [1], [2])
+    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_texts(0)], [tok.bos_id], [tok.eos_id])
     got = stacked(take(it, 2))
     for k in KEYS:
-        np.testing.assert_array_equal(got[k], want[k][:4], err_msg=f"SentencePiece packing: {k}")
+        np.testing.assert_array_equal(got[k], want[k][:4], err_msg=f"{name} packing: {k}")
 
 
 def hf_tokenizer(tmp_path, specials=("<unk>", "<s>", "</s>")) -> str:
@@ -291,12 +296,7 @@ def test_hugging_face_tokenizer_packs(data_dir, tmp_path):
     cfg = config(data_dir, f"tokenizer_path={hf_tokenizer(tmp_path)}")
     tok = load_tokenizer(cfg)
     assert (tok.bos_id, tok.eos_id) == (1, 2), f"<s>/</s> not found: {tok.bos_id}, {tok.eos_id}"
-    assert tok.decode(tok.encode(TRAIN_DOCS[0])) == TRAIN_DOCS[0]
-    it = TfdsData(cfg, 2)
-    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_texts(0)], [1], [2])
-    got = stacked(take(it, 2))
-    for k in KEYS:
-        np.testing.assert_array_equal(got[k], want[k][:4], err_msg=f"Hugging Face packing: {k}")
+    assert_round_trip_and_packing(cfg, tok, "Hugging Face")
 
 
 def test_hugging_face_tokenizer_without_bos(data_dir, tmp_path):
