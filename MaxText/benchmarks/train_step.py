@@ -1,0 +1,118 @@
+"""End-to-end train-step speed of a config, per `moe_impl`, side by side in one run.
+
+    python -m MaxText.benchmarks.train_step <config.yml> [key=value ...] [--impls dense,ragged,te_dropless]
+                                            [--steps 10] [--warmup 2] [--json PATH]
+
+For each impl: the config with `moe_impl=<impl>`, its mesh over the visible devices, a freshly initialised
+state and one synthetic batch (the input pipeline is not what is measured). The step is compiled ahead of
+time (compile seconds and XLA's temporary-buffer bytes are reported), run `--warmup` times, then `--steps`
+times back to back; step time is the wall time of those steps / steps, after the last one has finished.
+Tokens/s/device, model TFLOP/s/device and MFU (against the device's bf16 peak, MaxText/metrics.py) follow
+from it. `te_dropless` runs its pure-JAX reference kernels where there is no NVIDIA GPU (marked so).
+Prints a table and one JSON line; never part of the test suite's timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+from MaxText import metrics as metrics_lib, sharding
+from MaxText.config import ConfigError, global_batch_size, load_config
+from MaxText.data import make_data
+from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
+from MaxText.state import create_state, state_spec
+from MaxText.train_step import jit_train_step
+
+
+def measure(cfg, steps: int, warmup: int) -> dict:
+    """One impl's row: compile seconds, temp bytes, seconds per step and what follows from them."""
+    check_available(cfg)
+    mesh = sharding.create_mesh(cfg)
+    devices = mesh.devices.size
+    global_batch = global_batch_size(cfg, devices)
+    sharding.check_batch(cfg, mesh, global_batch)
+    with cfg.unlocked():
+        cfg.dataset_type = "synthetic"
+    spec = state_spec(cfg, mesh)
+    with jax.set_mesh(mesh), mesh_context(cfg):
+        bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (devices // mesh.shape["tensor"]))
+        batch_sharding = sharding.batch_sharding(mesh)
+        batch = jax.make_array_from_process_local_data(
+            batch_sharding, next(make_data(cfg, global_batch, jax.process_index(), jax.process_count())))
+        state = create_state(cfg, mesh, spec)
+        start = time.perf_counter()
+        step = jit_train_step(cfg, spec, batch_sharding).lower(state, batch).compile()
+        compile_s = time.perf_counter() - start
+        memory = step.memory_analysis()
+        for _ in range(warmup):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        step_s = (time.perf_counter() - start) / steps
+    tokens = global_batch * cfg.max_target_length
+    peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+    tps, tflops, mfu = metrics_lib.throughput(cfg, tokens, devices, step_s, peak)
+    return {"compile_s": compile_s, "temp_gib": memory.temp_size_in_bytes / 2**30 if memory else None,
+            "step_s": step_s, "tokens_per_s_per_device": tps, "tflops_per_device": tflops, "mfu": mfu,
+            "loss": float(metrics["loss"]), "devices": devices, "tokens_per_step": tokens}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"train step of {result['config']} on {result['devices']} x {result['device_kind']}, "
+             f"{result['tokens_per_step']} tokens/step, {result['steps']} steps after {result['warmup']} warm-up",
+             f"{'moe_impl':<26}{'compile s':>10}{'step s':>10}{'tokens/s/dev':>14}{'TFLOP/s/dev':>13}{'MFU':>8}"
+             f"{'temp GiB':>10}{'loss':>9}"]
+    for r in result["rows"]:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        temp = f"{r['temp_gib']:.3f}" if r["temp_gib"] is not None else "-"
+        lines.append(f"{r['impl']:<26}{r['compile_s']:>10.1f}{r['step_s']:>10.4f}"
+                     f"{r['tokens_per_s_per_device']:>14.1f}{r['tflops_per_device']:>13.3f}{mfu:>8}{temp:>10}"
+                     f"{r['loss']:>9.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict | int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="a config YAML, e.g. configs/base.yml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--impls", default="dense,ragged,te_dropless", help="comma-separated moe_impl values")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per impl")
+    p.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    p.add_argument("--json", default=None, help="also write the JSON result to this file")
+    a = p.parse_args(argv)
+    on_nvidia = jax.default_backend() == "gpu"
+    rows = []
+    try:
+        for impl in a.impls.split(","):
+            extra = [f"moe_impl={impl}"]
+            if impl == "te_dropless" and not on_nvidia:
+                extra.append("te_kernels=reference")  # TE's kernels need an NVIDIA GPU
+            cfg = load_config([a.config, *a.overrides, *extra])
+            label = impl + (" (reference)" if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "reference"
+                            else "")
+            rows.append({"impl": label, **measure(cfg, a.steps, a.warmup)})
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = {"config": a.config, "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
+              "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+              "devices": rows[0]["devices"], "tokens_per_step": rows[0]["tokens_per_step"], "rows": rows}
+    print(format_table(result))
+    print(json.dumps(result))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    out = main()
+    raise SystemExit(out if isinstance(out, int) else 0)

@@ -1,0 +1,29 @@
+"""The benchmark commands run on CPU and report consistent rows (their speed is never asserted)."""
+
+import json
+
+import numpy as np
+
+from MaxText.benchmarks import train_step
+from tests.tiny import TINY
+
+
+def test_train_step_benchmark_reports_each_impl(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = train_step.main(["configs/base.yml", *TINY, "ici_expert_parallelism=4", "--impls", "dense,ragged",
+                              "--steps", "2", "--warmup", "1", "--json", str(out)])
+    assert [r["impl"] for r in result["rows"]] == ["dense", "ragged"]
+    for r in result["rows"]:
+        assert r["step_s"] > 0 and r["compile_s"] > 0 and r["tokens_per_s_per_device"] > 0, r
+        assert r["mfu"] is None, "no known peak for a CPU"
+    # Uncapped dense and dropless ragged compute the same function: the same loss after the same steps.
+    np.testing.assert_allclose(result["rows"][0]["loss"], result["rows"][1]["loss"], rtol=1e-5)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].split()[:3] == ["moe_impl", "compile", "s"] and json.loads(printed[-1]) == json.loads(
+        out.read_text())
+
+
+def test_train_step_benchmark_config_error_is_one_line(capsys):
+    assert train_step.main(["configs/base.yml", *TINY, "num_experts_per_tok=5", "--impls", "dense"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
