@@ -266,7 +266,7 @@ def check_choices(cfg) -> None:
         "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",), "te_kernels": TE_KERNELS,
         "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
         "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
-        "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS,
+        "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS, "profiler": ("", "xplane"),
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
     for key, allowed in choices.items():
@@ -321,7 +321,7 @@ def check_positive(cfg) -> None:
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
                 "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
-                "eval_steps"):
+                "eval_steps", "profiler_steps"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1")
     for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
@@ -329,7 +329,7 @@ def check_positive(cfg) -> None:
         if cfg[key] is not None and not cfg[key] > 0:
             raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
     for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay", "shared_experts", "mtp_num_layers",
-                "mtp_loss_scaling_factor"):
+                "mtp_loss_scaling_factor", "skip_first_n_steps_for_profiler"):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
     if cfg.eval_interval != -1 and cfg.eval_interval < 1:

@@ -149,6 +149,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
 
     from MaxText import metrics as metrics_lib, sharding
     from MaxText.checkpointing import Checkpointer
+    from MaxText.profiler import Profiler
     from MaxText.data import make_data, validate
     from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
     from MaxText.state import state_spec
@@ -188,6 +189,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
         tokens_per_step = global_batch * cfg.max_target_length
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
                              dynamic_ncols=True, leave=False)
+        profiler = Profiler(cfg, run_dir, start, log)
         last_record, pending = None, None
         last_done = time.perf_counter()
 
@@ -216,7 +218,9 @@ def train(cfg, log=print, devices=None) -> dict | None:
             with StopFlag() as stop:
                 for step in range(start, cfg.steps):
                     batch = jax.make_array_from_process_local_data(batch_sharding, next(data))
+                    profiler.before_step(step)
                     state, step_metrics = step_fn(state, batch)
+                    profiler.after_step(step, state)
                     if pending is not None:
                         finish(*pending)
                     pending = (step + 1, step_metrics)
@@ -239,6 +243,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
                 if pending is not None:
                     finish(*pending)
         finally:
+            profiler.stop()
             progress.close()
             writer.close()
             checkpointer.close()

@@ -49,17 +49,20 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     s = cfg.max_target_length if t % cfg.max_target_length == 0 else t
     g = t // s
     cap = capacity(s, num_experts, cfg.num_experts_per_tok, cfg.capacity_factor)
-    dispatch, combine, kept_GSK = dispatch_masks(
-        routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap)
     dt = x_TD.dtype
-    x_GSD = x_TD.reshape(g, s, d)
-    x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GSD)
-    x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
-    gate = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_0_EDF.astype(dt)), "moe_mlpwi_0")
-    up = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_1_EDF.astype(dt)), "moe_mlpwi_1")
-    h = jax.nn.silu(gate) * up
-    out_EGCD = checkpoint_name(jnp.einsum("egcf,efd->egcd", h, w.wo_EFD.astype(dt)), "moe_mlpwo")
-    out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
-    y_GSD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
+    with jax.named_scope("moe_dispatch"):
+        dispatch, combine, kept_GSK = dispatch_masks(
+            routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap)
+        x_GSD = x_TD.reshape(g, s, d)
+        x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GSD)
+        x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
+    with jax.named_scope("moe_grouped_gemm"):  # batched per-expert matmuls over capacity buffers
+        gate = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_0_EDF.astype(dt)), "moe_mlpwi_0")
+        up = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_1_EDF.astype(dt)), "moe_mlpwi_1")
+        h = jax.nn.silu(gate) * up
+        out_EGCD = checkpoint_name(jnp.einsum("egcf,efd->egcd", h, w.wo_EFD.astype(dt)), "moe_mlpwo")
+        out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
+    with jax.named_scope("moe_combine"):
+        y_GSD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
     dropped = 1.0 - jnp.mean(kept_GSK.astype(jnp.float32))
     return y_GSD.reshape(t, d), {"dropped_fraction": dropped}

@@ -71,6 +71,7 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
     return output.at[target.reshape(-1)].set(received.reshape((n * max_send,) + operand.shape[1:]), mode="drop")
 
 
+@jax.named_scope("moe_dispatch")
 def dispatch(x_SD, experts_S, *, num_experts: int, num_local_experts: int, axis_name: str, capacity: int,
              payload_S=None) -> Dispatch:
     """Sends every slot (and its payload row, if given) to the device holding its expert (global id e
@@ -96,6 +97,7 @@ def dispatch(x_SD, experts_S, *, num_experts: int, num_local_experts: int, axis_
     return Dispatch(x_GD, local_G, payload_G, order_S, counts_NN, sent_NN, overflow, capacity)
 
 
+@jax.named_scope("moe_combine")
 def combine(out_GD, d: Dispatch, *, axis_name: str):
     """Returns each processed row to its slot, in the slots' original order [S, D]; overflowed slots are 0."""
     me = jax.lax.axis_index(axis_name)

@@ -32,6 +32,7 @@ def sort_by_expert(experts_S, num_experts: int):
     return order_S, group_sizes_E
 
 
+@jax.named_scope("moe_grouped_gemm")
 def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_matmul):
     """SwiGLU of each contiguous expert group; rows past sum(group_sizes) come out as 0.
     `gemm(x_RD, w_EDF, group_sizes_E)` is the grouped GEMM (te_dropless passes its kernel set's)."""
@@ -45,11 +46,15 @@ def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_mat
 def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input: int = 1):
     """expert_ffn for slots in any order: sort by expert, grouped GEMMs, unsort. Slot s reads input row
     s // rows_per_input, so K slots of a token share its row without a repeated copy of x."""
-    order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
-    out_SD = expert_ffn(x_ND[order_S // rows_per_input], group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
-    return out_SD[jnp.argsort(order_S)]
+    with jax.named_scope("moe_dispatch"):
+        order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
+        x_GD = x_ND[order_S // rows_per_input]
+    out_SD = expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
+    with jax.named_scope("moe_combine"):
+        return out_SD[jnp.argsort(order_S)]
 
 
+@jax.named_scope("moe_combine")
 def combine(out_SD, weights_TK):
     """y_t = sum_k weight_tk * out_(t,k), accumulated in float32."""
     t, k = weights_TK.shape

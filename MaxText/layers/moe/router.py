@@ -61,6 +61,7 @@ def load_balance_loss(experts_TK, probs_TE, num_sequences: int = 1):
     return e * jnp.mean(jnp.sum(fraction_SE * mean_prob_SE, axis=-1))
 
 
+@jax.named_scope("moe_route")
 def route(x_TD, gate_DE, bias_E, cfg, topk=None) -> Routing:
     """Routes the T tokens of x (whole sequences of cfg.max_target_length tokens, in order).
 

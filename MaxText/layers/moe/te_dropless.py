@@ -28,6 +28,7 @@ from MaxText.layers.moe.router import Routing, route as shared_route
 ALIGN = te_kernels.ALIGN
 
 
+@jax.named_scope("moe_route")
 def route(x_TD, gate_DE, bias_E, cfg) -> Routing:
     """The shared router with the kernel set's top-k (TE's fused router on GPU)."""
     return shared_route(x_TD, gate_DE, bias_E, cfg, topk=te_kernels.kernels(cfg).topk)
@@ -38,6 +39,7 @@ def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int
     return -(-(slots + num_experts * (align - 1)) // align) * align
 
 
+@jax.named_scope("moe_dispatch")
 def aligned_permute(x_SD, experts_S, num_experts: int, align: int = ALIGN):
     """Slots -> expert-major buffer with 128-row-aligned groups.
 
@@ -60,6 +62,7 @@ def aligned_permute(x_SD, experts_S, num_experts: int, align: int = ALIGN):
     return x_RD, sizes_E, rows_S
 
 
+@jax.named_scope("moe_combine")
 def unpermute(out_RD, rows_S):
     """The buffer rows back in slot order; slots outside the buffer read 0."""
     return jnp.take(out_RD, rows_S, axis=0, mode="fill", fill_value=0)
@@ -109,15 +112,17 @@ def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
     tokens_per_rank = x_TD.shape[0] // ranks
     recv_cap = te_kernels.ep_recv_capacity(te, cfg, tokens_per_rank, layout.num_ep)
     ep_cfg = te["ep"].EpLayerConfig(top_k=cfg.num_experts_per_tok, dispatch_output_per_expert_alignment=ALIGN)
-    recv_PRD, recv_w_PR, handle, counts_PE, total_P1 = te["ep"].ep_dispatch(
-        ep_cfg, routing.experts_TK, x_TD.astype(jnp.bfloat16), routing.weights_TK.astype(jnp.float32), recv_cap)
+    with jax.named_scope("moe_dispatch"):
+        recv_PRD, recv_w_PR, handle, counts_PE, total_P1 = te["ep"].ep_dispatch(
+            ep_cfg, routing.experts_TK, x_TD.astype(jnp.bfloat16), routing.weights_TK.astype(jnp.float32), recv_cap)
 
     def per_rank(recv, counts, recv_w, wi_0, wi_1, wo):
         out_RD = grouped_ffn(kernels, cfg.te_gmm_quantization, recv[0], counts[0], wi_0, wi_1, wo)
         return (out_RD.astype(jnp.float32) * recv_w[0][:, None]).astype(out_RD.dtype)[None], jnp.zeros((), jnp.int32)
 
     out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w)
-    y_TD = te["ep"].ep_combine(ep_cfg, handle, counts_PE, out_PRD, num_local_tokens=tokens_per_rank)
+    with jax.named_scope("moe_combine"):
+        y_TD = te["ep"].ep_combine(ep_cfg, handle, counts_PE, out_PRD, num_local_tokens=tokens_per_rank)
     return y_TD.astype(x_TD.dtype), jnp.sum(jnp.maximum(total_P1 - recv_cap, 0)).astype(jnp.float32)
 
 
