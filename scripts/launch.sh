@@ -5,12 +5,10 @@
 #   scripts/launch.sh --local N <config.yml> [key=value ...]   # N processes on this machine (coordinator on localhost)
 #
 # Under a scheduler, every process is started with the job's coordinator address, process count and its own
-# id in one of these spellings (the first found wins):
-#   COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID          (generic; e.g. set by hand or a Kubernetes job)
-#   JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
-#   SLURM (srun: SLURM_NTASKS / SLURM_PROCID; the coordinator is the first node of SLURM_JOB_NODELIST)
-# and its local rank (which GPU of the node is its own) in LOCAL_RANK, SLURM_LOCALID or
-# OMPI_COMM_WORLD_LOCAL_RANK. The trainer then calls jax.distributed.initialize() (MaxText/train.py).
+# id: COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID (or the JAX_* spellings), and its local rank (which
+# GPU of the machine is its own) in LOCAL_RANK. Under SLURM (srun) or Open MPI (mpirun) set none of them:
+# jax.distributed finds the coordinator, the process ids and each process's GPU from the scheduler itself.
+# The trainer calls jax.distributed.initialize() whenever the job has more than one process (MaxText/train.py).
 #
 # GPU environment (NVIDIA's recommendations for JAX training, see the README's "GPU node" section):
 #   XLA_PYTHON_CLIENT_MEM_FRACTION=0.90   JAX may take 90% of HBM up front (the rest: NCCL, cuDNN workspaces)
@@ -42,21 +40,16 @@ if [ "${1:-}" = "--local" ]; then
     exit "$status"
 fi
 
-# The job's coordinator, size and this process's id, as jax.distributed reads them.
+# The job's coordinator, size and this process's id, as the trainer passes them to jax.distributed.
 if [ -n "${COORDINATOR_ADDRESS:-}" ]; then
     export JAX_COORDINATOR_ADDRESS="$COORDINATOR_ADDRESS" JAX_NUM_PROCESSES="${NUM_PROCESSES:?NUM_PROCESSES is not set}" \
         JAX_PROCESS_ID="${PROCESS_ID:?PROCESS_ID is not set}"
-elif [ -z "${JAX_COORDINATOR_ADDRESS:-}" ] && [ -n "${SLURM_PROCID:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-    first_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-    export JAX_COORDINATOR_ADDRESS="$first_node:${COORDINATOR_PORT:-12345}" JAX_NUM_PROCESSES="$SLURM_NTASKS" \
-        JAX_PROCESS_ID="$SLURM_PROCID"
 fi
 
-local_rank="${LOCAL_RANK:-${SLURM_LOCALID:-${OMPI_COMM_WORLD_LOCAL_RANK:-}}}"
 if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi > /dev/null 2>&1; then
-    # One process per GPU: each sees only its own.
-    if [ -n "$local_rank" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
-        export CUDA_VISIBLE_DEVICES="$local_rank"
+    # One process per GPU: each sees only its own (SLURM and Open MPI jobs: jax.distributed picks it).
+    if [ -n "${LOCAL_RANK:-}" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
+        export CUDA_VISIBLE_DEVICES="$LOCAL_RANK"
     fi
     export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
     export NCCL_IB_SL="${NCCL_IB_SL:-1}"
