@@ -27,3 +27,18 @@ def test_train_step_benchmark_config_error_is_one_line(capsys):
     assert train_step.main(["configs/base.yml", *TINY, "num_experts_per_tok=5", "--impls", "dense"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_gpu_check_refuses_a_machine_without_nvidia_gpu(capsys, tmp_path):
+    """The kit's GPU mode stops with one line on a CPU (its --smoke mode was run by hand: see the README)."""
+    import os
+    import subprocess
+
+    from MaxText.benchmarks import gpu_check
+
+    assert gpu_check.main(["--json", str(tmp_path / "gc.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no NVIDIA GPU") and err.count("\n") == 1, err
+    env = dict(os.environ, PATH="/usr/bin:/bin")  # no nvidia-smi on this PATH
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: no NVIDIA GPU"), result.stderr

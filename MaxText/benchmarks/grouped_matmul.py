@@ -42,7 +42,7 @@ def zipf_group_sizes(tokens: int, experts: int, top_k: int, skew: float, seed: i
     return np.bincount(chosen_TK.reshape(-1), minlength=experts).astype(np.int32)
 
 
-def _time(fn, args, repeats: int) -> dict:
+def time_calls(fn, args, repeats: int) -> dict:
     jax.block_until_ready(fn(*args))   # compile and warm up
     wall, cpu = [], []
     for _ in range(repeats):
@@ -53,7 +53,7 @@ def _time(fn, args, repeats: int) -> dict:
     return {"s": statistics.median(wall), "min_s": min(wall), "cpu_per_wall": sum(cpu) / sum(wall)}
 
 
-def _fwd_and_fwd_bwd(matmul):
+def fwd_and_fwd_bwd(matmul):
     """Jitted (fwd, fwd+bwd) of matmul(x, w, group_sizes); fwd+bwd returns y, dx and dw."""
     def fwd_bwd(x, w, group_sizes, ct):
         y, vjp = jax.vjp(lambda x, w: matmul(x, w, group_sizes), x, w)
@@ -83,9 +83,9 @@ def run(args) -> dict:
     load_before = os.getloadavg()
     results = []
     for name, matmul, (x, w) in methods:
-        fwd, fwd_bwd = _fwd_and_fwd_bwd(matmul)
-        results.append({"method": name, "fwd": _time(fwd, (x, w, group_sizes_E), args.repeats),
-                        "fwd_bwd": _time(fwd_bwd, (x, w, group_sizes_E, ct_RF), args.repeats)})
+        fwd, fwd_bwd = fwd_and_fwd_bwd(matmul)
+        results.append({"method": name, "fwd": time_calls(fwd, (x, w, group_sizes_E), args.repeats),
+                        "fwd_bwd": time_calls(fwd_bwd, (x, w, group_sizes_E, ct_RF), args.repeats)})
         print(f"  timed {name}", flush=True)
     limit = results[0]
     for r in results:

