@@ -18,7 +18,6 @@ printed before and after. A JSON copy goes to stdout (one line) and, with --json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.benchmarks import emit
 from MaxText.layers.moe.gmm import grouped_matmul
 
 
@@ -131,10 +131,7 @@ def main(argv=None):
     args = parse_args(argv)
     report = run(args)
     print(format_table(report))
-    print(json.dumps(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

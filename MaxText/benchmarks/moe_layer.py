@@ -11,7 +11,6 @@ FLOPs with no routing at all. Prints a table and one JSON line; never part of th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from MaxText.benchmarks import emit
 from MaxText.config import load_config
 from MaxText.layers.moe.block import MOE_FFNS, ExpertWeights
 from MaxText.layers.moe.router import Routing
@@ -117,10 +117,7 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r['method']:<26}{r['fwd_s']:>10.4f}{r['fwd_bwd_s']:>12.4f}{r['fwd_vs_limit']:>10.0%}"
               f"{r['fwd_bwd_vs_limit']:>15.0%}{r['dropped_fraction']:>9.1%}")
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    emit(result, a.json)
     return result
 
 

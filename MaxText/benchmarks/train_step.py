@@ -15,13 +15,13 @@ Prints a table and one JSON line; never part of the test suite's timing.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import jax
 
 from MaxText import metrics as metrics_lib, sharding
+from MaxText.benchmarks import emit
 from MaxText.config import ConfigError, global_batch_size, load_config
 from MaxText.data import make_data
 from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
@@ -106,10 +106,7 @@ def main(argv=None) -> dict | int:
               "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "devices": rows[0]["devices"], "tokens_per_step": rows[0]["tokens_per_step"], "rows": rows}
     print(format_table(result))
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    emit(result, a.json)
     return result
 
 
