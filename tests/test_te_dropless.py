@@ -99,3 +99,36 @@ def test_te_grouped_gemm_matches_reference_forward_and_backward(dtype, tol):
     for a, b, label in ((got[0], want[0], "loss"), (got[1][0], want[1][0], "dx"), (got[1][1], want[1][1], "dw")):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol,
                                    err_msg=label)
+
+
+@pytest.mark.gpu
+def test_te_permutation_matches_aligned_permute():
+    """TE's token_dispatch with 128-row alignment builds the buffer our aligned_permute builds (same aligned
+    group sizes and buffer size, the same rows in every expert group, zero padding), and token_combine with
+    the routing probabilities gives our unpermute + weighted combine."""
+    from transformer_engine.jax import permutation
+
+    from MaxText.layers.moe.ragged import combine
+    from MaxText.layers.moe.te_dropless import aligned_permute, unpermute
+
+    t, e, k, h = 512, 8, 2, 64
+    scores = jax.random.gumbel(jax.random.key(0), (t, e)) - 1.5 * jnp.log1p(jnp.arange(e))  # skewed
+    experts_TK = jnp.argsort(-scores, axis=1)[:, :k].astype(jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32)
+    routing_map = jnp.sum(jax.nn.one_hot(experts_TK, e, dtype=jnp.int32), axis=1)
+    probs = jax.random.uniform(jax.random.key(2), (t, e)) * routing_map
+    out, _, row_id_map, pad_offsets, tokens_per_expert = permutation.token_dispatch(
+        x, routing_map, num_out_tokens=t * k, probs=probs, align_size=128)
+    x_RD, sizes_E, rows_S = aligned_permute(jnp.repeat(x, k, axis=0), experts_TK.reshape(-1), e)
+    np.testing.assert_array_equal(np.asarray(tokens_per_expert), np.asarray(sizes_E), err_msg="aligned group sizes")
+    assert out.shape == x_RD.shape, (out.shape, x_RD.shape)
+    start = 0
+    for i, size in enumerate(np.asarray(sizes_E)):
+        got, want = (np.asarray(a[start:start + size]) for a in (out, x_RD))
+        np.testing.assert_array_equal(got[np.lexsort(got.T)], want[np.lexsort(want.T)], err_msg=f"expert {i} rows")
+        start += size
+    np.testing.assert_array_equal(np.asarray(out[start:]), 0.0, err_msg="rows after the last group")
+    y_te = permutation.token_combine(out, row_id_map, merging_probs=probs, pad_offsets=pad_offsets)
+    weights_TK = jnp.take_along_axis(probs, experts_TK, axis=1)
+    y_ref = combine(unpermute(x_RD, rows_S), weights_TK)
+    np.testing.assert_allclose(np.asarray(y_te), np.asarray(y_ref), rtol=2.4e-5, atol=2.4e-5)

@@ -2,8 +2,9 @@
 
     python -m MaxText.benchmarks.gpu_check [--json gpu_check.json] [--smoke]
 
-1. kernels: the `gpu`-marked tests (TE router and grouped GEMM forward and backward against their pure-JAX
-   references at TE's own tolerances), through pytest; skipped with the reason where TE cannot be imported.
+1. kernels: the `gpu`-marked tests (TE router, token permutation, and grouped GEMM forward and backward
+   against their pure-JAX references at TE's own tolerances), through pytest; skipped with the reason where
+   TE cannot be imported.
 2. te_dropless vs ragged: a tiny DeepSeek-style model (MLA, sigmoid group-limited routing with bias, shared
    expert, MTP) trained a few bf16 steps with each; the losses must agree within bf16 tolerance.
 3. grouped GEMM TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed routing of
