@@ -54,9 +54,11 @@ class Checkpointer:
     def save(self, step: int, state, input_state: dict | None = None) -> None:
         """Saves the train state and, when given, this process's input position (every process's, gathered,
         is written once: {"process_count": P, "positions": [one per process]})."""
+        import jax
+
         items = {ITEM: ocp.args.StandardSave(state)}
         if input_state is not None:
-            items[INPUT] = ocp.args.JsonSave({"process_count": _process_count(),
+            items[INPUT] = ocp.args.JsonSave({"process_count": jax.process_count(),
                                               "positions": _gather_json(input_state)})
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
@@ -107,12 +109,6 @@ class Checkpointer:
         if self.manager:
             self.manager.wait_until_finished()
             self.manager.close()
-
-
-def _process_count() -> int:
-    import jax
-
-    return jax.process_count()
 
 
 def _gather_json(obj) -> list:

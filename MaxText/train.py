@@ -173,7 +173,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
     spec = state_spec(cfg, mesh)
     checkpointer = Checkpointer(cfg, checkpoint_dir)
     with jax.set_mesh(mesh), mesh_context(cfg):
-        bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (num_devices // mesh.shape["tensor"]))
+        bootstrap_ep(cfg, mesh, global_batch)
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
@@ -214,6 +214,13 @@ def train(cfg, log=print, devices=None) -> dict | None:
             last_record = writer.write(step, host)
             progress.write(metrics_lib.console_line(last_record))
 
+        def settle():
+            """Finishes the step still in flight, if any (before a save or an eval reads its state)."""
+            nonlocal pending
+            if pending is not None:
+                finish(*pending)
+                pending = None
+
         try:
             with StopFlag() as stop:
                 for step in range(start, cfg.steps):
@@ -221,27 +228,22 @@ def train(cfg, log=print, devices=None) -> dict | None:
                     profiler.before_step(step)
                     state, step_metrics = step_fn(state, batch)
                     profiler.after_step(step, state)
-                    if pending is not None:
-                        finish(*pending)
+                    settle()
                     pending = (step + 1, step_metrics)
                     stopping = stop.set and step + 1 < cfg.steps
                     if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
-                        finish(*pending)  # a state is saved only once its step is known to be finite
-                        pending = None
+                        settle()  # a state is saved only once its step is known to be finite
                         checkpointer.save(step + 1, state, data.state())
                         log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
                     if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
-                        if pending is not None:  # the step's own record first
-                            finish(*pending)
-                            pending = None
+                        settle()  # the step's own record first
                         record = writer.write(step + 1, evaluate(state))
                         progress.write(f"eval at step {step + 1}: loss {record['eval_loss']:.4f}, perplexity "
                                        f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens")
                     if stopping:
                         log(f"SIGTERM: stopped after step {step + 1}")
                         break
-                if pending is not None:
-                    finish(*pending)
+                settle()
         finally:
             profiler.stop()
             progress.close()

@@ -23,7 +23,7 @@ import jax
 from MaxText import metrics as metrics_lib, sharding
 from MaxText.benchmarks import emit
 from MaxText.config import ConfigError, global_batch_size, load_config
-from MaxText.data import make_data
+from MaxText.data.synthetic import SyntheticData
 from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
 from MaxText.state import create_state, state_spec
 from MaxText.train_step import jit_train_step
@@ -36,14 +36,12 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     devices = mesh.devices.size
     global_batch = global_batch_size(cfg, devices)
     sharding.check_batch(cfg, mesh, global_batch)
-    with cfg.unlocked():
-        cfg.dataset_type = "synthetic"
     spec = state_spec(cfg, mesh)
     with jax.set_mesh(mesh), mesh_context(cfg):
-        bootstrap_ep(cfg, mesh, global_batch * cfg.max_target_length // (devices // mesh.shape["tensor"]))
+        bootstrap_ep(cfg, mesh, global_batch)
         batch_sharding = sharding.batch_sharding(mesh)
         batch = jax.make_array_from_process_local_data(
-            batch_sharding, next(make_data(cfg, global_batch, jax.process_index(), jax.process_count())))
+            batch_sharding, next(SyntheticData(cfg, global_batch, jax.process_index(), jax.process_count())))
         state = create_state(cfg, mesh, spec)
         start = time.perf_counter()
         step = jit_train_step(cfg, spec, batch_sharding).lower(state, batch).compile()

@@ -158,17 +158,19 @@ def mesh_context(cfg):
                                                        ep_resource="expert", tp_resource="tensor"))
 
 
-def bootstrap_ep(cfg, mesh, tokens_per_rank: int) -> None:
-    """NCCL EP's one-time set-up (eager, before the first compile, inside the mesh and mesh_context); a no-op
-    unless te_dropless runs TE kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
+def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
+    """NCCL EP's one-time set-up (eager, before the first compile, inside the mesh and mesh_context) for
+    global_batch sequences a step, split over every mesh axis but `tensor`; a no-op unless te_dropless runs
+    TE kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
     and reported through total_recv_tokens; the dropless default never overflows."""
     ep_size = mesh.shape.get("expert", 1)
     if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto" or ep_size == 1:
         return
     if jax.local_device_count() != 1:
         raise ConfigError("moe_impl=te_dropless with expert parallelism uses NCCL EP, which needs one process per "
-                          f"GPU (this process has {jax.local_device_count()}); launch with scripts/ launchers "
-                          "(JAX_NUM_PROCESSES) or use te_kernels=reference")
+                          f"GPU (this process has {jax.local_device_count()}); launch with scripts/launch.sh "
+                          "or use te_kernels=reference")
+    tokens_per_rank = global_batch * cfg.max_target_length // (mesh.devices.size // mesh.shape["tensor"])
     te = _import_te()
     te["ep"].ep_bootstrap(jax.process_count(), jax.process_index(), cfg.num_experts, tokens_per_rank,
                           ep_recv_capacity(te, cfg, tokens_per_rank, ep_size), cfg.base_emb_dim,
