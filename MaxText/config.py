@@ -280,11 +280,11 @@ def check_te_options(cfg) -> None:
         raise ConfigError(f"te_gmm_quantization={cfg.te_gmm_quantization} applies to moe_impl=te_dropless only "
                           f"(moe_impl={cfg.moe_impl}); set te_gmm_quantization=none or moe_impl=te_dropless")
     if (cfg.moe_impl == "te_dropless" and cfg.n_routing_groups is not None
-            and cfg.num_experts_per_tok < cfg.topk_routing_group):
-        raise ConfigError(f"moe_impl=te_dropless scores each routing group by its best num_experts_per_tok // "
-                          f"topk_routing_group experts (TE's rule), which is 0 for num_experts_per_tok="
-                          f"{cfg.num_experts_per_tok} < topk_routing_group={cfg.topk_routing_group}; lower "
-                          "topk_routing_group or use moe_impl=ragged")
+            and cfg.num_experts_per_tok % cfg.topk_routing_group):
+        raise ConfigError(f"moe_impl=te_dropless: TE's fused router scores each routing group by its best "
+                          f"num_experts_per_tok / topk_routing_group experts and needs a whole number, not "
+                          f"{cfg.num_experts_per_tok} / {cfg.topk_routing_group}; make num_experts_per_tok a "
+                          "multiple of topk_routing_group or use moe_impl=ragged")
 
 
 def check_router(cfg) -> None:

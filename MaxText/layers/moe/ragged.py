@@ -92,14 +92,15 @@ class MeshLayout(NamedTuple):
     mlp: tuple
     num_ep: int
 
-    def run(self, per_device, x_TD, routing: Routing, w):
+    def run(self, per_device, x_TD, routing: Routing, w, check_vma: bool = True):
         """shard_map of per_device(x, experts, weights, wi_0, wi_1, wo) -> (y, overflow): adds up the
         tensor shards' partial outputs and the devices' overflow counts."""
-        return self.run_on(per_device, (x_TD, routing.experts_TK, routing.weights_TK), w)
+        return self.run_on(per_device, (x_TD, routing.experts_TK, routing.weights_TK), w, check_vma)
 
-    def run_on(self, per_device, token_arrays, w):
+    def run_on(self, per_device, token_arrays, w, check_vma: bool = True):
         """shard_map of per_device(*token_arrays, wi_0, wi_1, wo) -> (y, overflow) where every token array
-        is split over the batch axes on its leading dim."""
+        is split over the batch axes on its leading dim. check_vma=False for bodies with Transformer
+        Engine's custom VJPs, whose abstract values carry no manual-axis type (JAX's check rejects them)."""
         batch, mlp = self.batch, self.mlp
         exp, f = ("expert" if self.num_ep > 1 else None), (mlp or None)
 
@@ -113,7 +114,7 @@ class MeshLayout(NamedTuple):
         tokens = P(batch or None)
         return jax.shard_map(
             body, in_specs=(*(tokens,) * len(token_arrays), P(exp, None, f), P(exp, None, f), P(exp, f, None)),
-            out_specs=(tokens, P()),
+            out_specs=(tokens, P()), check_vma=check_vma,
         )(*token_arrays, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
 
 
@@ -135,7 +136,7 @@ def mesh_layout(rules) -> MeshLayout | None:
     return layout
 
 
-def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel):
+def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel, check_vma: bool = True):
     """Runs a dropless MoE where it belongs: `local(x, experts, weights, wi_0, wi_1, wo) -> y` outside a mesh
     or without expert parallelism, `expert_parallel(same) -> (y, overflow)` with it, per device in
     shard_map (see MeshLayout). Returns (y_TD, {"overflow": slots that did not fit})."""
@@ -149,7 +150,7 @@ def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel):
             return expert_parallel(*args)
         return local(*args), jnp.zeros((), jnp.int32)
 
-    y, overflow = layout.run(per_device, x_TD, routing, w)
+    y, overflow = layout.run(per_device, x_TD, routing, w, check_vma)
     return y, {"overflow": overflow}
 
 

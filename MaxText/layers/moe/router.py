@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 class Routing(NamedTuple):
     weights_TK: jax.Array   # float32 combine weight of each chosen expert
-    experts_TK: jax.Array   # int32 chosen expert ids, distinct per token, best first
+    experts_TK: jax.Array   # int32 chosen expert ids, distinct per token, best first (TE's router: by id)
     lb_loss: jax.Array      # scalar load-balance loss, unweighted (1.0 when perfectly balanced)
     z_loss: jax.Array       # scalar router z-loss mean(logsumexp(logits)^2), unweighted
     load_E: jax.Array       # float32 token-slots assigned to each expert

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe import ep, te_kernels
 from MaxText.layers.moe.ragged import combine, expert_ffn, mesh_layout, run_on_mesh
@@ -35,8 +36,10 @@ def route(x_TD, gate_DE, bias_E, cfg) -> Routing:
 
 
 def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int:
-    """Static rows that hold `slots` rows in groups padded to `align`: the worst case adds align-1 per group."""
-    return -(-(slots + num_experts * (align - 1)) // align) * align
+    """Static rows that hold `slots` rows in groups padded to `align`, TE's token_dispatch buffer size
+    (permutation.py). The padded groups add up to at most slots + E*(align-1) rows and to a multiple of
+    `align`, hence to at most that bound rounded DOWN to a multiple of `align`."""
+    return (slots + num_experts * (align - 1)) // align * align
 
 
 @jax.named_scope("moe_dispatch")
@@ -106,23 +109,42 @@ def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
     batch axes, `expert` innermost); the grouped FFN runs per rank in between on its [recv_cap, D] buffer,
     whose expert groups NCCL EP already aligns to 128 rows (token_counts are the aligned sizes)."""
     te, mesh = kernels.te, jax.sharding.get_abstract_mesh()
-    ranks = 1
-    for axis in layout.batch:
-        ranks *= mesh.shape[axis]
-    tokens_per_rank = x_TD.shape[0] // ranks
+    t = x_TD.shape[0]
+    tokens_per_rank = te_kernels.tokens_per_ep_rank(
+        {axis: mesh.shape[axis] for axis in layout.batch}, t // cfg.max_target_length, cfg.max_target_length)
     recv_cap = te_kernels.ep_recv_capacity(te, cfg, tokens_per_rank, layout.num_ep)
     ep_cfg = te["ep"].EpLayerConfig(top_k=cfg.num_experts_per_tok, dispatch_output_per_expert_alignment=ALIGN)
+    # TE's ep_prepare/ep_dispatch partitioning folds only `expert` into a replicated leading dim: a token
+    # array left to the partitioner would send T/ep rows per rank and overrun the send buffer sized at
+    # bootstrap for T/ranks. Pin all three to the batch axes, `expert` innermost, as TE's moe.py does.
+    tokens = P(layout.batch)
+    experts_TK, x_bf16_TD, weights_TK = (jax.lax.with_sharding_constraint(a, tokens) for a in (
+        routing.experts_TK, x_TD.astype(jnp.bfloat16), routing.weights_TK.astype(jnp.float32)))
     with jax.named_scope("moe_dispatch"):
         recv_PRD, recv_w_PR, handle, counts_PE, total_P1 = te["ep"].ep_dispatch(
-            ep_cfg, routing.experts_TK, x_TD.astype(jnp.bfloat16), routing.weights_TK.astype(jnp.float32), recv_cap)
+            ep_cfg, experts_TK, x_bf16_TD, weights_TK, recv_cap)
 
     def per_rank(recv, counts, recv_w, wi_0, wi_1, wo):
-        out_RD = grouped_ffn(kernels, cfg.te_gmm_quantization, recv[0], counts[0], wi_0, wi_1, wo)
-        return (out_RD.astype(jnp.float32) * recv_w[0][:, None]).astype(out_RD.dtype)[None], jnp.zeros((), jnp.int32)
+        # NCCL EP zero-fills the padding between expert groups but leaves the rows past the last group
+        # uninitialized (TE moe.py, tests/jax/test_multi_process_ep.py). The last group takes them as slack
+        # (TE's V1 grouped GEMM wants sum(group_sizes) == rows): zero them and their weights first, or they
+        # reach that expert's output, its weight gradient and any FP8 scale.
+        # Groups cut at the buffer's end, should NCCL EP report pre-drop sizes after an overflow.
+        rows = recv.shape[1]
+        sizes_E = jnp.diff(jnp.minimum(jnp.cumsum(counts[0]), rows), prepend=0)
+        valid_R = jnp.arange(rows) < jnp.sum(sizes_E)
+        x_RD = jnp.where(valid_R[:, None], recv[0], jnp.zeros((), recv.dtype))
+        w_R = jnp.where(valid_R, recv_w[0], 0.0)
+        out_RD = grouped_ffn(kernels, cfg.te_gmm_quantization, x_RD, sizes_E, wi_0, wi_1, wo)
+        return (out_RD.astype(jnp.float32) * w_R[:, None]).astype(out_RD.dtype)[None], jnp.zeros((), jnp.int32)
 
-    out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w)
+    out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w, check_vma=False)
     with jax.named_scope("moe_combine"):
-        y_TD = te["ep"].ep_combine(ep_cfg, handle, counts_PE, out_PRD, num_local_tokens=tokens_per_rank)
+        # num_local_tokens is the GLOBAL token count (TE moe.py passes the global (B, S)); ep_combine's
+        # partitioning splits it over the ranks.
+        y_TD = te["ep"].ep_combine(ep_cfg, handle, counts_PE, out_PRD, num_local_tokens=t)
+    # Overflow in receive rows over capacity (NCCL EP's demand includes each group's 128-row padding): an upper
+    # bound on the token copies dropped, exact when whole padded groups are cut.
     return y_TD.astype(x_TD.dtype), jnp.sum(jnp.maximum(total_P1 - recv_cap, 0)).astype(jnp.float32)
 
 
@@ -137,4 +159,5 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     kw = dict(kernels=kernels, quantization=cfg.te_gmm_quantization)
     expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
                                         buffer_factor=cfg.ragged_buffer_factor, **kw)
-    return run_on_mesh(x_TD, routing, w, rules, functools.partial(local_moe, **kw), expert_parallel)
+    return run_on_mesh(x_TD, routing, w, rules, functools.partial(local_moe, **kw), expert_parallel,
+                       check_vma=kernels.te is None)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -79,9 +81,22 @@ def check_available(cfg) -> None:
         _import_te()
     except TEUnavailable as e:
         raise ConfigError(f"moe_impl=te_dropless: {e}; run in the NVIDIA JAX container (docker/), or {alternatives}")
+    check_quantization(cfg, capability)
+
+
+def check_quantization(cfg, capability: float) -> None:
+    """te_gmm_quantization against the GPU generation: MXFP8 needs Blackwell; tensor-scaled FP8 grouped GEMMs
+    are Hopper's, and TE 2.20.2's grouped_dense cannot differentiate them on Blackwell (its backward wants
+    a transposed copy that TE's Blackwell quantizers do not make, or returns a wrongly shaped weight
+    gradient when forced to make one: both traced with te_trace at SM 100)."""
+    if cfg.moe_impl != "te_dropless":
+        return
     if cfg.te_gmm_quantization == "mxfp8" and capability < 10.0:
         raise ConfigError(f"te_gmm_quantization=mxfp8 needs a Blackwell GPU (SM 10.x), this one is SM {capability}; "
                           "use te_gmm_quantization=fp8_current (Hopper) or none")
+    if cfg.te_gmm_quantization == "fp8_current" and capability >= 10.0:
+        raise ConfigError(f"te_gmm_quantization=fp8_current is for Hopper (SM 9.x); on this SM {capability} GPU "
+                          "use te_gmm_quantization=mxfp8 (Blackwell's FP8 grouped GEMM) or none")
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -104,19 +119,34 @@ REFERENCE = Kernels("reference", reference_topk, reference_grouped_gemm, None)
 # ------------------------------------------------------------------------------------------- Transformer Engine
 
 
-def _te_topk(te, logits_TE, bias_E, cfg):
-    """Experts chosen by TE's fused router; weights from our scores of those experts.
+def te_router_mode(cfg) -> tuple[bool, bool]:
+    """(use_pre_softmax, fused weights) for TE's fused router under this config's routing semantics.
 
-    TE selects on softmax probabilities only with use_pre_softmax=True (else on logits, which differs
-    under group-limited routing) and renormalises sigmoid weights whenever K > 1 (our norm_topk_prob).
-    Taking only the choice from TE and the weights from router.expert_scores keeps one semantics for
-    both kernel sets; the choice is the expensive, fused part.
+    TE's sigmoid weights are renormalised exactly when K > 1; its softmax either takes the top-k of the
+    softmax over all experts (use_pre_softmax=True: our norm_topk_prob=false) or the softmax over the top-k
+    logits (our norm_topk_prob=true, the same choice unless group-limited routing scores groups on logits
+    rather than on probabilities). Where TE's weights mean ours, TE's fused forward and backward give them;
+    elsewhere TE makes the choice (on probabilities) and the weights are our scores of the chosen experts.
     """
-    _, routing_map_TE = te["router"].fused_topk_with_score_function(
-        logits_TE.astype(jnp.float32), topk=cfg.num_experts_per_tok, use_pre_softmax=True,
-        num_groups=cfg.n_routing_groups or -1, group_topk=cfg.topk_routing_group or -1, scaling_factor=1.0,
-        score_function=cfg.routed_score_func, expert_bias=bias_E)
-    experts_TK = jnp.argsort(routing_map_TE, axis=-1)[..., -cfg.num_experts_per_tok:].astype(jnp.int32)
+    k, grouped = cfg.num_experts_per_tok, cfg.n_routing_groups is not None
+    if cfg.routed_score_func == "sigmoid":
+        return False, cfg.norm_topk_prob == (k > 1)
+    return not cfg.norm_topk_prob or grouped, not (cfg.norm_topk_prob and grouped)
+
+
+def _te_topk(te, logits_TE, bias_E, cfg):
+    """The chosen experts (and, where te_router_mode allows, their weights) from TE's fused router."""
+    k = cfg.num_experts_per_tok
+    pre_softmax, fused = te_router_mode(cfg)
+    probs_TE, routing_map_TE = te["router"].fused_topk_with_score_function(
+        logits_TE.astype(jnp.float32), topk=k, use_pre_softmax=pre_softmax,
+        num_groups=cfg.n_routing_groups or -1, group_topk=cfg.topk_routing_group or -1,
+        scaling_factor=float(cfg.routed_scaling_factor) if fused else 1.0, score_function=cfg.routed_score_func,
+        expert_bias=bias_E)
+    # TE's own conversion (moe.py): argsort puts the K chosen (True) experts last.
+    experts_TK = jnp.argsort(routing_map_TE, axis=-1)[..., -k:].astype(jnp.int32)
+    if fused:
+        return jnp.take_along_axis(probs_TE, experts_TK, axis=-1), experts_TK
     weights_TK = jnp.take_along_axis(expert_scores(logits_TE, cfg.routed_score_func), experts_TK, axis=-1)
     if cfg.norm_topk_prob:
         weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
@@ -128,16 +158,24 @@ def _te_quantizer_set(te, quantization: str, num_groups: int):
         return te["noop_quantizer_set"]
     mode = {"mxfp8": te["ScalingMode"].MXFP8_1D_SCALING,
             "fp8_current": te["ScalingMode"].CURRENT_TENSOR_SCALING}[quantization]
+    # is_2x2x left to TE: a transposed second copy only where the GEMM needs one (MXFP8; tensor-scaled FP8 on
+    # Hopper, whose FP8 GEMM takes only the NT layout). On Blackwell TE 2.20.2's grouped_dense cannot
+    # differentiate tensor-scaled FP8 either way (check_available refuses fp8_current there).
     return te["QuantizerFactory"].create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e4m3fn,
                                              bwd_dtype=jnp.float8_e4m3fn if quantization == "mxfp8"
-                                             else jnp.float8_e5m2, is_2x2x=True, n_groups=num_groups)
+                                             else jnp.float8_e5m2, n_groups=num_groups)
 
 
 def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
-    # TE's V1 grouped GEMM checks sum(group_sizes) == rows: give the zero padding at the tail to the last group.
-    sizes = group_sizes_E.at[-1].add(x_RD.shape[0] - jnp.sum(group_sizes_E))
-    return te["dense"].grouped_dense(x_RD, w_EDF, sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
+    # TE's V1 grouped GEMM checks sum(group_sizes) == rows: the tail past the groups goes to the last group as
+    # slack, zeroed on the way in and out so that, as in the reference, those rows read 0 and get no gradient.
+    rows = x_RD.shape[0]
+    valid_R1 = (jnp.arange(rows) < jnp.sum(group_sizes_E))[:, None]
+    sizes = group_sizes_E.at[-1].add(rows - jnp.sum(group_sizes_E))
+    y_RF = te["dense"].grouped_dense(jnp.where(valid_R1, x_RD, jnp.zeros((), x_RD.dtype)), w_EDF,
+                                     sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
                                      quantizer_set=_te_quantizer_set(te, quantization, w_EDF.shape[0]))
+    return jnp.where(valid_R1, y_RF, jnp.zeros((), y_RF.dtype))
 
 
 def ep_recv_capacity(te, cfg, tokens_per_rank: int, ep_size: int) -> int:
@@ -158,23 +196,70 @@ def mesh_context(cfg):
                                                        ep_resource="expert", tp_resource="tensor"))
 
 
+def nccl_ep_used(cfg, mesh_shape) -> bool:
+    """Whether te_dropless runs NCCL EP on a mesh of this shape (TE kernels and expert parallelism)."""
+    return cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and mesh_shape.get("expert", 1) > 1
+
+
+def check_nccl_ep(cfg, mesh_shape) -> None:
+    """What NCCL EP cannot take, refused in one line before anything is built (no-op when it is not used).
+
+    TE's MeshResource names one data-parallel axis outside `expert` (ep.py `_ep_outer_axis`: a second one
+    makes ep_dispatch's leading dim wrong), NCCL EP wants num_experts % 4 == 0, and
+    get_moe_recv_capacity_per_rank raises for a receive capacity factor below 1."""
+    if not nccl_ep_used(cfg, mesh_shape):
+        return
+    outer = [a for a in ("data", "fsdp") if mesh_shape.get(a, 1) > 1]
+    if len(outer) > 1:
+        raise ConfigError(f"moe_impl=te_dropless with expert parallelism (NCCL EP) takes one data-parallel axis "
+                          f"beside `expert`, the mesh has {' and '.join(f'{a}={mesh_shape[a]}' for a in outer)}; "
+                          "set ici/dcn_data_parallelism=1 (use fsdp) or te_kernels=reference")
+    if cfg.num_experts % 4:
+        raise ConfigError(f"num_experts={cfg.num_experts}: NCCL EP lays out num_experts (local experts x expert "
+                          "parallelism) in groups of 4 for its TMA copies (TE tests/jax/test_multi_process_ep.py); "
+                          "use a multiple of 4 or te_kernels=reference")
+    if cfg.ragged_buffer_factor is not None and cfg.ragged_buffer_factor < 1.0:
+        raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} is below 1, which NCCL EP's receive "
+                          "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
+
+
+def tokens_per_ep_rank(mesh_shape, global_batch: int, seq_len: int) -> int:
+    """Tokens one NCCL EP rank sends a step: the batch splits over every mesh axis but `tensor`."""
+    ranks = math.prod(size for axis, size in mesh_shape.items() if axis != "tensor")
+    return global_batch * seq_len // ranks
+
+
+def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
+    """Keyword arguments of TE's ep_bootstrap for this config and mesh (world_size: the mesh's devices)."""
+    te = _import_te()
+    tokens = tokens_per_ep_rank(mesh_shape, global_batch, cfg.max_target_length)
+    return dict(world_size=math.prod(mesh_shape.values()), num_experts=cfg.num_experts,
+                max_tokens_per_rank=tokens,
+                recv_capacity_per_rank=ep_recv_capacity(te, cfg, tokens, mesh_shape["expert"]),
+                hidden_dim=cfg.base_emb_dim, max_token_dtype=jnp.bfloat16,
+                drop_on_overflow=cfg.ragged_buffer_factor is not None)
+
+
 def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
-    """NCCL EP's one-time set-up (eager, before the first compile, inside the mesh and mesh_context) for
-    global_batch sequences a step, split over every mesh axis but `tensor`; a no-op unless te_dropless runs
-    TE kernels with expert parallelism. Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP
-    and reported through total_recv_tokens; the dropless default never overflows."""
-    ep_size = mesh.shape.get("expert", 1)
-    if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto" or ep_size == 1:
+    """NCCL EP's one-time set-up (eager, before the first compile, inside jax.set_mesh and mesh_context);
+    a no-op unless te_dropless runs TE kernels with expert parallelism. Overflow beyond a smaller
+    ragged_buffer_factor is dropped by NCCL EP and reported through total_recv_tokens; the dropless
+    default never overflows."""
+    shape = dict(mesh.shape)
+    check_nccl_ep(cfg, shape)
+    if not nccl_ep_used(cfg, shape):
         return
     if jax.local_device_count() != 1:
         raise ConfigError("moe_impl=te_dropless with expert parallelism uses NCCL EP, which needs one process per "
                           f"GPU (this process has {jax.local_device_count()}); launch with scripts/launch.sh "
                           "or use te_kernels=reference")
-    tokens_per_rank = global_batch * cfg.max_target_length // (mesh.devices.size // mesh.shape["tensor"])
     te = _import_te()
-    te["ep"].ep_bootstrap(jax.process_count(), jax.process_index(), cfg.num_experts, tokens_per_rank,
-                          ep_recv_capacity(te, cfg, tokens_per_rank, ep_size), cfg.base_emb_dim,
-                          max_token_dtype=jnp.bfloat16, drop_on_overflow=cfg.ragged_buffer_factor is not None)
+    # TE's self-hosted NCCL path forms the EP groups from mesh.devices (ep.py _ep_domain_for_rank), which only
+    # the legacy `with mesh:` context exposes: under jax.set_mesh alone TE sees an AbstractMesh and raises.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with mesh:
+            te["ep"].ep_bootstrap(rank=jax.process_index(), **ep_bootstrap_args(cfg, shape, global_batch))
 
 
 def kernels(cfg) -> Kernels:
