@@ -59,4 +59,5 @@ if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi > /dev/null 2>&1; then
     fi
 fi
 
-exec "$PYTHON" -m MaxText.train "$@"
+# LAUNCH_MODULE: another entry point under the same launch (the GPU kit's NCCL EP check); default the trainer.
+exec "$PYTHON" -m "${LAUNCH_MODULE:-MaxText.train}" "$@"

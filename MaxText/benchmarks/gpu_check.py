@@ -1,28 +1,42 @@
 """The GPU validation kit: is the TE path correct here, and how fast is it? (`scripts/gpu_check.sh` runs it.)
 
-    python -m MaxText.benchmarks.gpu_check [--json gpu_check.json] [--smoke]
+    python -m MaxText.benchmarks.gpu_check [--json gpu_check.json] [--ep N] [--parts kernels,ep,...] [--smoke]
 
-1. kernels: the `gpu`-marked tests (TE router, token permutation, and grouped GEMM forward and backward
-   against their pure-JAX references at TE's own tolerances), through pytest; skipped with the reason where
-   TE cannot be imported.
-2. te_dropless vs ragged: a tiny DeepSeek-style model (MLA, sigmoid group-limited routing with bias, shared
-   expert, MTP) trained a few bf16 steps with each; the losses must agree within bf16 tolerance.
-3. grouped GEMM TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed routing of
-   8 experts per token) for jax.lax.ragged_dot and TE's grouped GEMM (groups rounded up to 128 rows, as
-   te_dropless feeds it), next to a bf16 8192^3 dense matmul measured in the same run.
-4. MoE layer forward+backward TFLOP/s per moe_impl (MaxText.benchmarks.moe_layer at a GPU size).
-Prints a table per part and writes everything as JSON. `--smoke` shrinks every shape so the whole kit runs on
-a CPU in a minute (the suite runs it that way; the numbers then mean nothing).
+Parts, in the order they run (each in isolation: an exception or a failure is recorded with its first line,
+and the next part runs):
+1. kernels (correctness): the `gpu`-marked tests of tests/test_te_dropless.py through pytest, in a subprocess.
+   TE's own fused router (its probabilities and routing map) and te_dropless's top-k call site against
+   router.select_experts (fp32, 1e-5); TE's grouped GEMM through te_dropless's call site, forward and
+   backward with a random cotangent and a zero-padded tail, against a float64 per-group loop: bf16 at TE's
+   tolerance, fp32 at a TF32-aware one, FP8 current scaling (SM 9.x on) and MXFP8 (SM 10.x only, else
+   skipped with the reason) at quantisation tolerances; the reference grouped GEMM on the GPU; TE's token
+   permutation (needs triton) against aligned_permute. Skipped with the reason where TE cannot be imported.
+2. ep (correctness, only with --ep N): MaxText.benchmarks.ep_check on N GPUs, one process each through
+   scripts/launch.sh --local N: te_dropless with NCCL EP against te_kernels=reference and the float32
+   per-expert loop, forward and gradients, three routings. Its own table and JSON (<json>.ep.json).
+3. impls_agree (correctness): a tiny DeepSeek-style model (MLA, sigmoid group-limited routing with bias,
+   shared expert, MTP) trained a few bf16 steps with te_dropless and with ragged; the losses must agree.
+4. grouped_gemm (timing): TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed
+   routing of 8 experts per token) for jax.lax.ragged_dot and TE's grouped GEMM (groups rounded up to 128
+   rows, as te_dropless feeds it), next to a bf16 8192^3 dense matmul measured in the same run.
+5. moe_layer (timing): MoE layer forward+backward TFLOP/s per moe_impl (MaxText.benchmarks.moe_layer).
+Prints one table, writes everything as JSON (always, even when a part raised), and exits 1 when a correctness
+part failed or any part raised. `--smoke` shrinks every shape so the kit runs on a CPU (numbers meaningless):
+`python -m MaxText.benchmarks.gpu_check --smoke`, about 30 s on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +47,18 @@ from MaxText.config import load_config
 from MaxText.layers.moe import te_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORRECTNESS = ("kernels", "ep", "impls_agree")
+KERNEL_TESTS_TIMEOUT_S = 480
+EP_TIMEOUT_S = 480  # start-up of N processes, NCCL EP bootstrap, three compiles; a hung collective ends here
+
+
+class Kit(NamedTuple):
+    """What every part may read: why TE is missing (None if it imports), the options, where the JSON goes."""
+    te_missing: str | None
+    smoke: bool
+    tmp: str
+    ep: int | None
+    json: str
 
 
 def te_status() -> str | None:
@@ -44,38 +70,117 @@ def te_status() -> str | None:
     return None
 
 
-def check_kernels(te_missing: str | None) -> dict:
+def first_line(text: str) -> str:
+    """The first line of a message (an exception's, a report's), at most 300 characters."""
+    return (text.strip().splitlines() or ["(no message)"])[0][:300]
+
+
+def last_line(text: str) -> str:
+    """The last line of a subprocess's output, at most 300 characters."""
+    return (text.strip().splitlines() or ["(no output)"])[-1][:300]
+
+
+def run_subprocess(cmd, env, timeout_s: int):
+    """(return code, output, timed out): cmd in its own process group, all of it killed on timeout
+    (scripts/launch.sh --local starts one child per GPU)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return proc.returncode, out, True
+    finally:
+        if proc.poll() is None:  # this process is being ended (SIGTERM from `timeout`): take the group along
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def subprocess_env(**extra) -> dict:
+    """This environment for a subprocess on the GPUs, plus `extra`."""
+    # The subprocesses share this machine's GPUs with this process: none of them takes 75% of every GPU's
+    # memory up front (JAX's default), which would leave the others too little.
+    return dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **extra)
+
+
+def check_kernels(kit: Kit) -> dict:
     """pytest -m gpu over the TE kernel tests, in a subprocess (its own JAX on the GPU)."""
-    if te_missing:
-        return {"status": "skipped", "reason": te_missing}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                             os.path.join(ROOT, "tests", "test_te_dropless.py")],
-                            cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS=""))
-    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return {"status": "passed" if result.returncode == 0 else "failed", "summary": summary,
-            "output_tail": (result.stdout + result.stderr)[-4000:] if result.returncode else ""}
+    if kit.te_missing:
+        return {"status": "skipped", "reason": kit.te_missing}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
+           os.path.join("tests", "test_te_dropless.py")]
+    rc, out, timed_out = run_subprocess(cmd, subprocess_env(JAX_PLATFORMS=""), KERNEL_TESTS_TIMEOUT_S)
+    lines = out.strip().splitlines() or ["(no output)"]
+    result = {"summary": lines[-1], "details": [line for line in lines if line.startswith(("FAILED", "ERROR",
+                                                                                          "SKIPPED"))]}
+    if timed_out:
+        return {**result, "status": "error", "error": f"pytest timed out after {KERNEL_TESTS_TIMEOUT_S} s",
+                "output_tail": out[-4000:]}
+    if rc == 0 and " passed" not in result["summary"]:  # every test skipped: nothing was checked
+        return {**result, "status": "error", "error": f"no gpu test ran: {result['summary']}",
+                "output_tail": out[-4000:]}
+    return {**result, "status": "passed" if rc == 0 else "failed", "output_tail": out[-4000:] if rc else ""}
 
 
-def check_impls_agree(te_missing: str | None, smoke: bool, tmp_dir: str) -> dict:
+def check_ep(kit: Kit) -> dict:
+    """MaxText.benchmarks.ep_check on kit.ep GPUs through scripts/launch.sh --local; its JSON, summarised."""
+    if not kit.ep:
+        return {"status": "skipped", "reason": "NCCL EP is checked with --ep N (N >= 2 GPUs)"}
+    if kit.te_missing:
+        return {"status": "skipped", "reason": kit.te_missing}
+    gpus = sum(d.platform == "gpu" for d in jax.devices())
+    if kit.ep > gpus:
+        return {"status": "error", "error": f"--ep {kit.ep} needs {kit.ep} GPUs, this process sees {gpus}"}
+    launch = os.path.join(ROOT, "scripts", "launch.sh")
+    with open(launch) as f:
+        if "LAUNCH_MODULE" not in f.read():
+            return {"status": "error", "error": "scripts/launch.sh starts MaxText.train only (no LAUNCH_MODULE); "
+                                                "it cannot start MaxText.benchmarks.ep_check"}
+    report_path = os.path.splitext(kit.json)[0] + ".ep.json"
+    if os.path.exists(report_path):
+        os.remove(report_path)  # never read a previous run's report
+    env = subprocess_env(LAUNCH_MODULE="MaxText.benchmarks.ep_check", PYTHON=sys.executable, JAX_PLATFORMS="")
+    rc, out, timed_out = run_subprocess(["bash", launch, "--local", str(kit.ep), "--json", report_path], env,
+                                        EP_TIMEOUT_S)
+    result = {"ranks": kit.ep, "report_path": report_path, "output_tail": out[-4000:]}
+    if timed_out:
+        return {**result, "status": "error", "error": f"timed out after {EP_TIMEOUT_S} s (a hung collective?)"}
+    if not os.path.exists(report_path):
+        return {**result, "status": "error", "error": f"exit code {rc} and no report; last line: {last_line(out)}"}
+    with open(report_path) as f:
+        report = json.load(f)
+    if report["status"] == "error":
+        return {**result, "status": "error", "error": report["error"]}
+    if report["status"] == "passed" and rc != 0:
+        return {**result, "status": "error", "report": report,
+                "error": f"process 0 passed but a process exited with code {rc}; last line: {last_line(out)}"}
+    return {**result, "status": report["status"], "report": report,
+            "output_tail": "" if report["status"] == "passed" else result["output_tail"]}
+
+
+def check_impls_agree(kit: Kit) -> dict:
     """Losses of te_dropless and ragged on deepseek3-tiny, bf16, same data and init."""
     from MaxText.train import train
 
-    steps = 3 if smoke else 10
-    base = ["model_name=deepseek3-tiny", "dtype=float32" if smoke else "dtype=bfloat16", f"steps={steps}",
+    steps = 3 if kit.smoke else 10
+    base = ["model_name=deepseek3-tiny", "dtype=float32" if kit.smoke else "dtype=bfloat16", f"steps={steps}",
             "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false", "dataset_type=synthetic",
-            "eval_interval=-1", "max_target_length=64", "per_device_batch_size=4", f"base_output_directory={tmp_dir}"]
-    te = ["moe_impl=te_dropless"] + (["te_kernels=reference"] if te_missing else [])
+            "eval_interval=-1", "max_target_length=64", "per_device_batch_size=4", f"base_output_directory={kit.tmp}"]
+    te = ["moe_impl=te_dropless"] + (["te_kernels=reference"] if kit.te_missing else [])
     runs = {}
     for name, extra in (("ragged", ["moe_impl=ragged"]), ("te_dropless", te)):
         cfg = load_config(base + extra + [f"run_name={name}_{int(time.time())}"])
-        path = os.path.join(tmp_dir, cfg.run_name, "metrics", "metrics.jsonl")
+        path = os.path.join(kit.tmp, cfg.run_name, "metrics", "metrics.jsonl")
         train(cfg, log=lambda *_: None, devices=jax.devices()[:1])
         with open(path) as f:
             runs[name] = [json.loads(line)["loss"] for line in f]
     a, b = np.array(runs["ragged"]), np.array(runs["te_dropless"])
-    tol = 2e-4 if smoke else 3e-2  # bf16: TE's grouped GEMM accumulates in another order than ragged_dot
+    tol = 2e-4 if kit.smoke else 3e-2  # bf16: TE's grouped GEMM accumulates in another order than ragged_dot
     worst = float(np.max(np.abs(a - b) / np.abs(a)))
-    return {"status": "passed" if worst <= tol else "failed", "kernels": "reference" if te_missing else "TE",
+    return {"status": "passed" if worst <= tol else "failed", "kernels": "reference" if kit.te_missing else "TE",
             "losses": runs, "max_relative_difference": worst, "tolerance": tol}
 
 
@@ -87,10 +192,10 @@ def dense_tflops(n: int, repeats: int) -> float:
     return 2 * n ** 3 / seconds / 1e12
 
 
-def check_grouped_gemm(te_missing: str | None, smoke: bool) -> dict:
+def check_grouped_gemm(kit: Kit) -> dict:
     """fwd and fwd+bwd TFLOP/s of the grouped GEMMs at DeepSeek-V3's expert shapes."""
-    tokens, dim, hidden, experts, top_k = (256, 256, 128, 8, 2) if smoke else (4096, 7168, 2048, 32, 8)
-    repeats = 2 if smoke else 10
+    tokens, dim, hidden, experts, top_k = (256, 256, 128, 8, 2) if kit.smoke else (4096, 7168, 2048, 32, 8)
+    repeats = 2 if kit.smoke else 10
     sizes = gmm_bench.zipf_group_sizes(tokens, experts, top_k, skew=1.0)
     sizes = (sizes + 127) // 128 * 128  # te_dropless's aligned groups
     rows = int(sizes.sum())
@@ -101,15 +206,15 @@ def check_grouped_gemm(te_missing: str | None, smoke: bool) -> dict:
     group_sizes = jnp.asarray(sizes, jnp.int32)
     methods = {"ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
                .astype(x.dtype)}
-    if not te_missing:
+    if not kit.te_missing:
         te = te_kernels.kernels(load_config(["moe_impl=te_dropless"]))
         methods["TE grouped GEMM"] = lambda x, w, gs: te.grouped_gemm(x, w, gs, "none")
     useful = 2 * rows * dim * hidden / 1e12
-    out = {"shape": {"rows": rows, "dim": dim, "hidden": hidden, "experts": experts,
-                     "max_over_mean_group": float(sizes.max() / sizes.mean())},
-           "dense_bf16_tflops": dense_tflops(512 if smoke else 8192, repeats), "methods": {}}
-    if te_missing:
-        out["te"] = f"skipped: {te_missing}"
+    out = {"status": "done", "shape": {"rows": rows, "dim": dim, "hidden": hidden, "experts": experts,
+                                       "max_over_mean_group": float(sizes.max() / sizes.mean())},
+           "dense_bf16_tflops": dense_tflops(512 if kit.smoke else 8192, repeats), "methods": {}}
+    if kit.te_missing:
+        out["te"] = f"skipped: {kit.te_missing}"
     for name, matmul in methods.items():
         fwd, fwd_bwd = gmm_bench.fwd_and_fwd_bwd(matmul)
         t_fwd = gmm_bench.time_calls(fwd, (x, w, group_sizes), repeats)["s"]
@@ -119,36 +224,89 @@ def check_grouped_gemm(te_missing: str | None, smoke: bool) -> dict:
     return out
 
 
-def check_moe_layer(smoke: bool) -> dict:
+def check_moe_layer(kit: Kit) -> dict:
     """moe_layer's side-by-side run at a GPU size, with TFLOP/s of each impl's useful FLOPs."""
-    t, d, f, e, k = (256, 64, 64, 8, 2) if smoke else (16384, 2048, 1024, 32, 8)
+    t, d, f, e, k = (256, 64, 64, 8, 2) if kit.smoke else (16384, 2048, 1024, 32, 8)
     argv = ["--tokens", str(t), "--dim", str(d), "--hidden", str(f), "--experts", str(e), "--top-k", str(k),
-            "--dtype", "float32" if smoke else "bfloat16", "--repeats", "2" if smoke else "5"]
+            "--dtype", "float32" if kit.smoke else "bfloat16", "--repeats", "2" if kit.smoke else "5"]
     result = moe_layer.main(argv)
     useful = 2 * 3 * t * k * d * f / 1e12
     for row in result["rows"]:
         row["fwd_tflops"], row["fwd_bwd_tflops"] = useful / row["fwd_s"], 3 * useful / row["fwd_bwd_s"]
     result["te_dropless_kernels"] = "reference (moe_layer times the pure-JAX references)"
+    result["status"] = "done"
     return result
 
 
+# Run in this order: the subprocess parts first, while this process holds little GPU memory.
+PARTS = {"kernels": check_kernels, "ep": check_ep, "impls_agree": check_impls_agree,
+         "grouped_gemm": check_grouped_gemm, "moe_layer": check_moe_layer}
+
+
+def run_part(part, kit: Kit) -> dict:
+    """One part, its exception recorded rather than raised, with its wall time."""
+    start = time.perf_counter()
+    try:
+        result = part(kit)
+    except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
+        result = {"status": "error", "error": f"{type(e).__name__}: {first_line(str(e))}",
+                  "traceback": traceback.format_exc()[-4000:]}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def part_lines(name: str, r: dict) -> list[str]:
+    """The detail lines of one finished part (its status line is format_summary's)."""
+    if name == "kernels":
+        return [r["summary"]] + r["details"]
+    if name == "ep":
+        rows = r["report"]["rows"]
+        worst = max(rows, key=lambda row: row["te_vs_float32"] / row["tolerance"] if row["tolerance"] else 0.0)
+        bad = [f"{row['routing']}/{row['quantity']}" for row in rows if not row["ok"]]
+        return [f"{r['ranks']} GPUs, mesh {r['report']['mesh']}: worst te_dropless error {worst['te_vs_float32']:.2e} "
+                f"({worst['routing']}/{worst['quantity']}, tolerance {worst['tolerance']:.0e})"
+                + (f"; out of tolerance: {', '.join(bad)}" if bad else ""), f"table: {r['report_path']}"]
+    if name == "impls_agree":
+        return [f"te_dropless ({r['kernels']}) vs ragged on deepseek3-tiny: max relative loss difference "
+                f"{r['max_relative_difference']:.2e} (tolerance {r['tolerance']:.0e})"]
+    if name == "grouped_gemm":
+        lines = [f"{r['shape']}: dense bf16 matmul {r['dense_bf16_tflops']:.3g} TFLOP/s"]
+        for method, m in r["methods"].items():
+            lines.append(f"{method:<18} fwd {m['fwd_tflops']:8.3g} TFLOP/s ({m['fwd_tflops'] / r['dense_bf16_tflops']:.0%}"
+                         f" of dense)   fwd+bwd {m['fwd_bwd_tflops']:8.3g} TFLOP/s")
+        return lines
+    if name == "moe_layer":
+        return [f"{row['method']:<26} fwd {row['fwd_tflops']:8.3g} TFLOP/s   fwd+bwd {row['fwd_bwd_tflops']:8.3g} "
+                f"TFLOP/s   dropped {row['dropped_fraction']:.1%}" for row in r["rows"]]
+    return []
+
+
 def format_summary(report: dict) -> str:
-    lines = [f"GPU check on {report['device_kind']} (jax {report['jax']}, TE: {report['te'] or 'available'})"]
-    lines.append(f"1. TE kernels vs references: {report['kernels']['status']} "
-                 f"{report['kernels'].get('summary', report['kernels'].get('reason', ''))}")
-    agree = report["impls_agree"]
-    lines.append(f"2. te_dropless ({agree['kernels']}) vs ragged, deepseek3-tiny: {agree['status']}, max relative "
-                 f"loss difference {agree['max_relative_difference']:.2e} (tolerance {agree['tolerance']:.0e})")
-    g = report["grouped_gemm"]
-    lines.append(f"3. grouped GEMM {g['shape']}: dense bf16 matmul {g['dense_bf16_tflops']:.3g} TFLOP/s")
-    for name, m in g["methods"].items():
-        lines.append(f"   {name:<18} fwd {m['fwd_tflops']:8.3g} TFLOP/s ({m['fwd_tflops'] / g['dense_bf16_tflops']:.0%}"
-                     f" of dense)   fwd+bwd {m['fwd_bwd_tflops']:8.3g} TFLOP/s")
-    lines.append("4. MoE layer fwd+bwd")
-    for row in report["moe_layer"]["rows"]:
-        lines.append(f"   {row['method']:<26} fwd {row['fwd_tflops']:8.3g} TFLOP/s   fwd+bwd "
-                     f"{row['fwd_bwd_tflops']:8.3g} TFLOP/s   dropped {row['dropped_fraction']:.1%}")
+    """The table: one status line per part that ran, with its details when it finished."""
+    te = report["te"] or "available"
+    lines = [f"GPU check on {report['device_kind']} (jax {report['jax']}, TE: {first_line(te)[:160]})"]
+    for i, (name, r) in enumerate(report["parts"].items(), 1):
+        kind = "correctness" if name in CORRECTNESS else "timing"
+        status = r["status"]
+        why = r.get("reason") or r.get("error")
+        lines.append(f"{i}. {name} ({kind}): {status}{': ' + first_line(why)[:200] if why else ''}  "
+                     f"[{r.get('seconds', 0):.0f} s]")
+        if status in ("passed", "failed", "done") or (name == "kernels" and "details" in r):
+            try:
+                lines += ["   " + line for line in part_lines(name, r)]
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                lines.append(f"   (cannot summarise: {type(e).__name__}: {e}; see the JSON)")
     return "\n".join(lines)
+
+
+def parse_parts(text: str) -> tuple:
+    """--parts: comma-separated names of PARTS."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or '(none)'}; choose from "
+                                         f"{', '.join(PARTS)}")
+    return names
 
 
 def main(argv=None) -> int:
@@ -156,25 +314,44 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="gpu_check.json", help="where to write the JSON report")
     p.add_argument("--smoke", action="store_true", help="tiny shapes: check the kit itself runs (any device)")
     p.add_argument("--tmp", default="/tmp/gpu_check_runs", help="output directory of the training runs")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="also check NCCL EP on N >= 2 GPUs of this machine (one process each)")
+    p.add_argument("--parts", type=parse_parts, default=tuple(PARTS),
+                   help=f"comma-separated subset of the parts to run (default: all of {','.join(PARTS)})")
     a = p.parse_args(argv)
+    if a.ep is not None and a.ep < 2:
+        p.error(f"--ep {a.ep}: NCCL EP needs at least 2 GPUs")
+    # Before JAX starts its backend: this process would otherwise take 75% of every GPU's memory up front,
+    # and the kernel tests and the EP ranks run beside it on the same GPUs.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if a.smoke and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        # Smoke numbers mean nothing: skipping XLA's backend optimisations halves the kit's time on a CPU
+        # (it is mostly compiling), 58 s -> 29 s.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     if jax.default_backend() != "gpu" and not a.smoke:
         print(f"error: no NVIDIA GPU ({jax.default_backend()} backend); run on a GPU, or with --smoke to try the kit",
               file=sys.stderr)
         return 2
-    te_missing = te_status()
-    report = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "te": te_missing,
-              "smoke": a.smoke}
-    report["kernels"] = check_kernels(te_missing)
-    report["impls_agree"] = check_impls_agree(te_missing, a.smoke, a.tmp)
-    report["grouped_gemm"] = check_grouped_gemm(te_missing, a.smoke)
-    report["moe_layer"] = check_moe_layer(a.smoke)
-    print(format_summary(report))
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"JSON: {a.json}")
-    failed = [part for part in ("kernels", "impls_agree") if report[part]["status"] == "failed"]
-    return 1 if failed else 0
+    kit = Kit(te_status(), a.smoke, a.tmp, a.ep, a.json)
+    report = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "te": kit.te_missing,
+              "smoke": a.smoke, "parts": {}}
+    try:
+        for name in PARTS:  # in PARTS' order whatever the order of --parts
+            if name in a.parts:
+                report["parts"][name] = run_part(PARTS[name], kit)
+    finally:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(format_summary(report))
+        print(f"JSON: {a.json}")
+    broken = [name for name, r in report["parts"].items() if r["status"] in ("failed", "error")]
+    if broken:
+        print(f"FAILED: {', '.join(broken)}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
+    # scripts/gpu_check.sh's `timeout` ends the kit with SIGTERM: leave through the finally blocks, which end
+    # a running subprocess group and still write the JSON of the parts that finished.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     sys.exit(main())
