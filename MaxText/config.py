@@ -22,6 +22,8 @@ from typing import Any
 import ml_collections
 import yaml
 
+from MaxText.hardware import GPU_PROFILES
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 BASE_CONFIG = os.path.join(CONFIG_DIR, "base.yml")
 
@@ -41,6 +43,8 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "dataset_path": str,
     "tokenizer_path": str,
     "hbm_gib": float,
+    "gpu_profile": str,
+    "host_memory_limit_gb": int,
     "n_routing_groups": int,
     "topk_routing_group": int,
     "te_moe_block": bool,
@@ -51,6 +55,10 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
 MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group")
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
+# (xla/pjrt/gpu/gpu_helpers.cc). host_memory_limit_gb sets it.
+HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_DEFAULT_HOST_POOL_GB = 64
 MOE_IMPLS = ("dense", "ragged", "te_dropless")
 REMAT_POLICIES = ("full", "minimal", "none", "custom")
 REMAT_LOCATIONS = ("remat", "device", "offload")
@@ -272,6 +280,8 @@ def check_choices(cfg) -> None:
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             raise ConfigError(f"{key}={cfg[key]} is not one of {', '.join(allowed)}")
+    if cfg.gpu_profile is not None and cfg.gpu_profile not in GPU_PROFILES:
+        raise ConfigError(f"gpu_profile={cfg.gpu_profile} is not one of {', '.join(GPU_PROFILES)} (or null)")
 
 
 def check_te_options(cfg) -> None:
@@ -432,11 +442,14 @@ def global_batch_size(cfg, num_devices: int) -> int:
 
 
 def apply_xla_flags(cfg, environ=os.environ) -> None:
-    """Merges cfg.xla_flags into XLA_FLAGS; must run before JAX initialises its backend.
+    """Merges cfg.xla_flags into XLA_FLAGS and sets XLA's pinned-host pool from host_memory_limit_gb; must run
+    before JAX initialises its backend.
 
     A flag given in both keeps the config's value (the later occurrence wins in XLA's parser,
     but we drop the older one so XLA_FLAGS stays readable).
     """
+    if cfg.host_memory_limit_gb is not None:
+        environ[HOST_POOL_ENV] = str(cfg.host_memory_limit_gb)
     if not cfg.xla_flags:
         return
     new = cfg.xla_flags.split()

@@ -5,6 +5,7 @@ Model code names logical axes only; `logical_axis_rules` (base.yml) maps them on
 
 from __future__ import annotations
 
+import collections
 import math
 
 import flax.linen as nn
@@ -67,20 +68,36 @@ def check_tensor_split(cfg, tensor: int) -> None:
                               "ici_tensor_parallelism/dcn_tensor_parallelism")
 
 
-def create_mesh(cfg, devices=None) -> Mesh:
-    """The training mesh. Devices are ordered by process, so the dcn (outer) part of each axis spans
-    processes/nodes and the ici (inner) part stays within one."""
-    devices = list(devices if devices is not None else jax.devices())
-    devices.sort(key=lambda d: (d.process_index, d.id))
-    slices = {getattr(d, "slice_index", 0) for d in devices}
+def device_grid(cfg, devices) -> np.ndarray:
+    """The devices arranged as the mesh [data, fsdp, expert, tensor]. XLA gives each GPU host (or each
+    multi-node NVLink domain) its own slice_index; with more than one slice the dcn_* sizes must multiply to
+    the number of slices (mesh_shape) and the ici_* sizes to the devices of one. Ordered by (slice, process,
+    id), every ICI block is then exactly one slice, whatever order the scheduler numbered the processes in
+    (ordered by process alone, a round-robin rank placement would put NVLink traffic on the network).
+    Works on any objects with id, process_index and slice_index (the preflight's simulated devices)."""
+    def slice_of(d):
+        return getattr(d, "slice_index", 0) or 0
+
+    devices = sorted(devices, key=lambda d: (slice_of(d), d.process_index, d.id))
+    sizes = collections.Counter(slice_of(d) for d in devices)
+    if len(set(sizes.values())) > 1:
+        raise ConfigError(f"the {len(devices)} devices fall into slices of unequal sizes "
+                          f"({dict(sorted(sizes.items()))}: hosts or NVLink domains used unevenly); allocate the "
+                          "same number of GPUs in every host / NVLink domain")
+    slices = set(sizes)
     shape = mesh_shape(cfg, len(devices), len(slices))
     dcn, ici = shape["_dcn"], shape["_ici"]
     grid = np.array(devices, dtype=object).reshape(*dcn, *ici)
     n = len(MESH_AXES)
     # Interleave (dcn_a, ici_a) per axis, then merge each pair into one mesh axis.
     grid = grid.transpose([k for a in range(n) for k in (a, n + a)])
-    grid = grid.reshape([shape[a] for a in MESH_AXES])
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * n)
+    return grid.reshape([shape[a] for a in MESH_AXES])
+
+
+def create_mesh(cfg, devices=None) -> Mesh:
+    """The training mesh over these devices (all of JAX's by default), laid out by device_grid."""
+    grid = device_grid(cfg, list(devices if devices is not None else jax.devices()))
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def axis_rules(cfg) -> tuple[tuple[str, tuple[str, ...]], ...]:
