@@ -1,0 +1,206 @@
+"""Will this recipe launch on its target GPUs? Checked on any machine, without a GPU or the model in memory.
+
+    python -m MaxText.preflight <recipe.yml> [key=value ...] [--json] [--tasks-per-node N]
+
+The recipe names its hardware with `gpu_profile` (MaxText/hardware.py). One row per check, each `pass`,
+`fail` (one line naming the key and the fix) or `todo` (not checked yet, said plainly); exit 0 only when
+nothing fails, 1 when something does, 2 when the config itself does not load.
+
+  devices       num_devices fills whole hosts; one process per GPU: --ntasks-per-node = GPUs per host
+  mesh          the trainer's own mesh builder (sharding.device_grid) over simulated devices carrying the
+                process_index and slice_index the runtime gives (one slice per host, or per NVLink domain
+                on multi-node NVLink): every ICI block inside one slice, dcn_* = the number of slices
+  xla_flags     every flag parses under the installed jaxlib (an unknown one aborts XLA at start)
+  quantization  te_gmm_quantization suits the GPU generation (MXFP8: Blackwell; fp8_current: Hopper)
+  nccl_ep       what NCCL EP cannot take (one data-parallel axis beside expert, experts % 4, factor >= 1)
+  hbm           MaxText.plan's per-GPU memory against the profile's HBM
+  pinned_pool   the offloaded activations per GPU fit XLA's pinned-host pool (host_memory_limit_gb)
+  host_memory   per host: the pinned pools of its GPUs plus async checkpointing's host copy of the state
+  lowering      todo: the full-scale lowering through the TE kernel set (te_trace) comes next
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import NamedTuple
+
+from MaxText.config import HOST_POOL_ENV, XLA_DEFAULT_HOST_POOL_GB, ConfigError, load_config
+from MaxText.hardware import GPU_PROFILES, GpuProfile, simulated_devices
+
+GIB = 1 << 30
+HOST_HEADROOM = 0.9  # of a host's memory: the OS, the data pipeline and the Python processes need the rest
+
+
+class Row(NamedTuple):
+    check: str
+    status: str   # pass | fail | todo
+    detail: str
+
+
+def _try(check: str, fn) -> list[Row]:
+    """Runs one check; a ConfigError becomes its failing row (the error's line is the fix)."""
+    try:
+        return fn()
+    except ConfigError as e:
+        return [Row(check, "fail", str(e))]
+
+
+def check_devices(cfg, profile: GpuProfile, tasks_per_node: int | None) -> list[Row]:
+    if not cfg.num_devices:
+        return [Row("devices", "fail", "set num_devices to the GPUs the recipe is laid out for")]
+    g = profile.gpus_per_host
+    if cfg.num_devices % g:
+        return [Row("devices", "fail", f"num_devices={cfg.num_devices} does not fill whole {profile.name} hosts of "
+                                        f"{g} GPUs; use a multiple of {g}")]
+    if tasks_per_node is not None and tasks_per_node != g:
+        return [Row("devices", "fail", f"{tasks_per_node} tasks per node on {profile.name} hosts of {g} GPUs: one "
+                                        f"process per GPU needs --ntasks-per-node={g} (JAX maps the local rank to "
+                                        "its GPU)")]
+    return [Row("devices", "pass", f"{cfg.num_devices // g} hosts x {g} GPUs: launch with --ntasks-per-node={g}, "
+                                    "one process per GPU")]
+
+
+def check_mesh(cfg, profile: GpuProfile) -> list[Row]:
+    from MaxText import sharding
+
+    devices = simulated_devices(profile, cfg.num_devices)
+    grid = sharding.device_grid(cfg, devices)
+    slices = len({d.slice_index for d in devices})
+    shape = " x ".join(f"{a} {n}" for a, n in zip(sharding.MESH_AXES, grid.shape) if n > 1)
+    return [Row("mesh", "pass", f"{shape} over {slices} slice(s) of {cfg.num_devices // slices} GPUs "
+                                 f"({'NVLink domains' if profile.slice_per_domain else 'hosts'}); every ICI block "
+                                 "inside one slice")]
+
+
+def check_xla_flags(cfg) -> list[Row]:
+    from MaxText.xla_flags import check_flags
+
+    if not cfg.xla_flags:
+        return [Row("xla_flags", "pass", "none set")]
+    problems = check_flags(cfg.xla_flags)
+    if not problems:
+        return [Row("xla_flags", "pass", f"all {len(cfg.xla_flags.split())} parse under the installed jaxlib")]
+    return [Row("xla_flags", "fail", f"xla_flags: {p.message}") for p in problems]
+
+
+def check_te(cfg, profile: GpuProfile, mesh_shape: dict) -> list[Row]:
+    from MaxText.layers.moe import te_kernels
+
+    rows = _try("quantization", lambda: te_kernels.check_quantization(cfg, profile.sm / 10) or [
+        Row("quantization", "pass", f"te_gmm_quantization={cfg.te_gmm_quantization} on SM {profile.sm / 10:g}")])
+    rows += _try("nccl_ep", lambda: te_kernels.check_nccl_ep(cfg, mesh_shape) or [
+        Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer" if te_kernels.nccl_ep_used(cfg, mesh_shape)
+            else "not used (no expert parallelism through TE)")])
+    return rows
+
+
+def check_memory(cfg, profile: GpuProfile, plan: dict) -> list[Row]:
+    """HBM (the plan), the pinned-host pool per process, and each host's memory."""
+    from MaxText.plan import HEADROOM
+
+    total = plan["bytes"]["total"]
+    hbm = cfg.hbm_gib or profile.hbm_gib
+    use = total / (hbm * GIB)
+    verdict = "fits" if use <= HEADROOM else ("tight" if use <= 1.0 else "does not fit")
+    rows = [Row("hbm", "fail" if verdict == "does not fit" else "pass",
+                f"{total / GIB:.1f} of {hbm:g} GiB per GPU ({use:.0%}, {verdict})"
+                + ("; lower per_device_batch_size or offload more (MaxText.plan shows the parts)"
+                   if verdict == "does not fit" else ""))]
+    pool_gb = cfg.host_memory_limit_gb if cfg.host_memory_limit_gb is not None else XLA_DEFAULT_HOST_POOL_GB
+    offload = plan["host_offload_bytes"]
+    # XLA's limit is in GB; read it as 10^9 bytes (if XLA means 2^30 the pool is 7% larger than checked).
+    need_gb = math.ceil(offload / 1e9 * 1.05) if offload else 0
+    if offload > pool_gb * 1e9:
+        rows.append(Row("pinned_pool", "fail", f"{offload / GIB:.1f} GiB of offloaded activations per GPU exceed "
+                                               f"XLA's pinned-host pool of {pool_gb} GB ({HOST_POOL_ENV}); set "
+                                               f"host_memory_limit_gb={need_gb} or offload less"))
+    else:
+        rows.append(Row("pinned_pool", "pass", f"{offload / GIB:.1f} GiB offloaded per GPU within the {pool_gb} GB "
+                                               "pool" + ("" if cfg.host_memory_limit_gb else " (XLA's default)")))
+    # Per host: each GPU's process may hold its whole pool (XLA can preallocate it), and an async checkpoint
+    # copies the process's state shard (params and optimizer moments) to host memory before writing it.
+    state = plan["bytes"]["params"] + plan["bytes"]["optimizer"]
+    checkpoint = state if cfg.enable_checkpointing and cfg.async_checkpointing else 0
+    per_host = profile.gpus_per_host * (pool_gb * 1e9 if offload else 0) + profile.gpus_per_host * checkpoint
+    limit = profile.host_memory_gib * GIB * HOST_HEADROOM
+    detail = (f"{per_host / GIB:.0f} GiB per host ({profile.gpus_per_host} x "
+              f"({pool_gb if offload else 0} GB pool + {checkpoint / GIB:.1f} GiB checkpoint copy)) of "
+              f"{profile.host_memory_gib:g} GiB x {HOST_HEADROOM:.0%}")
+    if per_host > limit:
+        rows.append(Row("host_memory", "fail", detail + "; lower host_memory_limit_gb to what the offload needs "
+                                                        f"({need_gb}) or set async_checkpointing=false"))
+    else:
+        rows.append(Row("host_memory", "pass", detail))
+    return rows
+
+
+def preflight(cfg, tasks_per_node: int | None = None) -> dict:
+    """Every check's rows and the verdict, for the table and --json."""
+    if cfg.gpu_profile is None:
+        rows = [Row("profile", "fail", f"set gpu_profile to the target system ({', '.join(GPU_PROFILES)})")]
+        return {"rows": [r._asdict() for r in rows], "ok": False}
+    profile = GPU_PROFILES[cfg.gpu_profile]
+    rows = [Row("profile", "pass", f"{profile.name}: {profile.gpus_per_host} GPUs per host, NVLink domain "
+                                   f"{profile.nvlink_domain}, {profile.hbm_gib:g} GiB HBM, SM {profile.sm / 10:g}")]
+    rows += check_devices(cfg, profile, tasks_per_node)
+    devices_ok = rows[-1].status == "pass"
+    if devices_ok:
+        rows += _try("mesh", lambda: check_mesh(cfg, profile))
+    rows += check_xla_flags(cfg)
+    plan = None
+    if devices_ok:
+        from MaxText import plan as planner, sharding
+
+        try:
+            mesh_shape = sharding.mesh_shape(cfg, cfg.num_devices)
+            rows += check_te(cfg, profile, mesh_shape)
+            plan = planner.plan(cfg)
+            rows += check_memory(cfg, profile, plan)
+        except ConfigError as e:
+            rows.append(Row("memory", "fail", str(e)))
+    rows.append(Row("lowering", "todo", "the full-scale lowering through TE's kernels is not checked yet"))
+    return {"profile": cfg.gpu_profile, "num_devices": cfg.num_devices, "rows": [r._asdict() for r in rows],
+            "plan": plan, "ok": all(r.status != "fail" for r in rows)}
+
+
+def format_table(result: dict) -> str:
+    width = max(len(r["check"]) for r in result["rows"])
+    lines = [f"{r['check']:<{width}}  {r['status']:<4}  {r['detail']}" for r in result["rows"]]
+    failed = sum(r["status"] == "fail" for r in result["rows"])
+    lines.append(f"\nverdict: {'ready to launch' if result['ok'] else f'{failed} check(s) fail'}"
+                 + ("" if not any(r["status"] == "todo" for r in result["rows"]) else " (todo rows not checked)"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    as_json = "--json" in argv
+    argv = [x for x in argv if x != "--json"]
+    tasks = None
+    if "--tasks-per-node" in argv:
+        i = argv.index("--tasks-per-node")
+        try:
+            tasks = int(argv[i + 1])
+        except (IndexError, ValueError):
+            print("error: --tasks-per-node needs a number", file=sys.stderr)
+            return 2
+        del argv[i:i + 2]
+    elif os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        tasks = int(os.environ["SLURM_NTASKS_PER_NODE"])
+    try:
+        result = preflight(load_config(argv), tasks)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, default=str) if as_json else format_table(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

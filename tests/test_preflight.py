@@ -1,0 +1,116 @@
+"""MaxText.preflight: every GPU recipe passes; each defect the recipes had, or a user could make, fails its
+row with one line naming the key and the fix; the mesh builder keeps ICI blocks inside a slice."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from MaxText import preflight, sharding
+from MaxText.config import CONFIG_DIR, ConfigError, load_config
+from MaxText.hardware import GPU_PROFILES, simulated_devices
+from tests.tiny import tiny_config
+
+GB200 = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
+RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
+
+
+def _rows(result, status=None):
+    return {r["check"]: r for r in result["rows"] if status is None or r["status"] == status}
+
+
+@pytest.mark.parametrize("recipe", [os.path.basename(r) for r in RECIPES])
+def test_every_gpu_recipe_passes(recipe):
+    result = preflight.preflight(load_config([os.path.join(CONFIG_DIR, "gpu", recipe)]))
+    assert result["ok"], {k: r["detail"] for k, r in _rows(result, "fail").items()}
+    assert {"profile", "devices", "mesh", "xla_flags", "quantization", "nccl_ep", "hbm", "pinned_pool",
+            "host_memory"} <= set(_rows(result, "pass")), _rows(result)
+
+
+@pytest.mark.parametrize("name,overrides,check,message", [
+    # The recipe's first layout: EP across the two racks over DCN, 8 x 2 = 16 dcn slices, where the runtime
+    # gives each NVL72 domain one slice (2).
+    ("old GB200 layout", ["ici_expert_parallelism=1", "dcn_expert_parallelism=8"], "mesh",
+     "dcn_*_parallelism multiply to 16 but there are 2 slices"),
+    ("offload over the pool", ["host_memory_limit_gb=64"], "pinned_pool", "set host_memory_limit_gb=132"),
+    ("XLA's default pool", ["host_memory_limit_gb=null"], "pinned_pool", "(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)"),
+    ("pool over host memory", ["host_memory_limit_gb=250"], "host_memory", "lower host_memory_limit_gb"),
+    ("renamed XLA flag", ["xla_flags=--xla_gpu_enable_nccl_symmetric_buffers=true"], "xla_flags",
+     "--xla_gpu_enable_nccl_symmetric_buffers"),
+    ("fp8_current on Blackwell", ["te_gmm_quantization=fp8_current"], "quantization", "use te_gmm_quantization=mxfp8"),
+    ("partial hosts", ["num_devices=126"], "devices", "use a multiple of 4"),
+    ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
+])
+def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
+    result = preflight.preflight(load_config([GB200, *overrides]))
+    failed = _rows(result, "fail")
+    assert not result["ok"] and check in failed, f"{name}: {failed}"
+    detail = failed[check]["detail"]
+    assert message in detail and "\n" not in detail, f"{name}: {detail!r}"
+
+
+def test_wrong_tasks_per_node_fails():
+    result = preflight.preflight(load_config([GB200]), tasks_per_node=8)
+    assert "--ntasks-per-node=4" in _rows(result, "fail")["devices"]["detail"]
+    assert preflight.preflight(load_config([GB200]), tasks_per_node=4)["ok"]
+
+
+def test_cli_exit_codes_and_table(capsys):
+    assert preflight.main([GB200]) == 0
+    out = capsys.readouterr().out
+    assert "ready to launch" in out and "mesh" in out and "lowering" in out
+    assert preflight.main([GB200, "host_memory_limit_gb=64"]) == 1
+    assert "1 check(s) fail" in capsys.readouterr().out
+    assert preflight.main([GB200, "gpu_profile=dgx-a100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: gpu_profile=dgx-a100") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------- the mesh builder
+
+
+def test_ici_blocks_stay_inside_a_slice_whatever_the_rank_order():
+    """Two 8-GPU hosts whose processes a scheduler numbered round-robin (rank r on host r % 2): ordered by
+    (slice, process, id), each ICI block (one fsdp group of 8) is one host; ordered by process alone it
+    would mix hosts."""
+    profile = GPU_PROFILES["h100-sxm"]
+    devices = simulated_devices(profile, 16, hosts_order=[r % 2 for r in range(16)])
+    cfg = tiny_config("num_experts=8", "ici_fsdp_parallelism=8", "dcn_fsdp_parallelism=2")
+    grid = sharding.device_grid(cfg, devices)  # [data, fsdp, expert, tensor]
+    fsdp = grid.reshape(16)
+    for block in (fsdp[:8], fsdp[8:]):
+        assert len({d.host for d in block}) == 1, [d.host for d in block]
+    assert {d.process_index % 2 for d in fsdp[:8]} == {0}, "host 0 holds the even ranks"
+
+
+def test_gb200_slices_are_nvlink_domains():
+    """128 GB200 GPUs = 32 trays of 4, 16 in each of 2 NVL72 racks: 2 slices of 64; the fixed recipe's ICI
+    fsdp 8 x expert 8 fills one, and EP (the inner part of the mesh) never leaves a rack."""
+    cfg = load_config([GB200])
+    devices = simulated_devices(GPU_PROFILES["gb200-nvl72"], 128)
+    assert len({d.slice_index for d in devices}) == 2 and len({d.host for d in devices}) == 32
+    grid = sharding.device_grid(cfg, devices)
+    assert grid.shape == (1, 16, 8, 1)
+    for fsdp in range(16):
+        assert len({d.slice_index for d in grid[0, fsdp, :, 0]}) == 1, f"expert group {fsdp} crosses racks"
+
+
+def test_uneven_slices_are_refused():
+    devices = simulated_devices(GPU_PROFILES["h100-sxm"], 16)[:12]  # 8 GPUs of host 0, 4 of host 1
+    with pytest.raises(ConfigError, match="unequal sizes"):
+        sharding.device_grid(tiny_config("num_experts=8"), devices)
+    assert isinstance(sharding.device_grid(tiny_config("num_experts=8"), devices[:8]), np.ndarray)
+
+
+def test_the_pool_reaches_xla_before_it_starts():
+    """host_memory_limit_gb becomes XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (apply_xla_flags runs before JAX starts)."""
+    from MaxText.config import apply_xla_flags
+
+    environ = {}
+    apply_xla_flags(load_config([GB200]), environ)
+    assert environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "132" and "--xla_gpu_enable_command_buffer" in \
+        environ["XLA_FLAGS"]
+    environ = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "64"}
+    apply_xla_flags(tiny_config(), environ)
+    assert environ == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "64"}, "unset: the environment's (or XLA's) stays"
