@@ -44,6 +44,7 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "tokenizer_path": str,
     "hbm_gib": float,
     "gpu_profile": str,
+    "mu_dtype": str,
     "host_memory_limit_gb": int,
     "n_routing_groups": int,
     "topk_routing_group": int,
@@ -280,6 +281,8 @@ def check_choices(cfg) -> None:
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             raise ConfigError(f"{key}={cfg[key]} is not one of {', '.join(allowed)}")
+    if cfg.mu_dtype is not None and cfg.mu_dtype not in DTYPES:
+        raise ConfigError(f"mu_dtype={cfg.mu_dtype} is not one of {', '.join(DTYPES)} (or null: the weight dtype)")
     if cfg.gpu_profile is not None and cfg.gpu_profile not in GPU_PROFILES:
         raise ConfigError(f"gpu_profile={cfg.gpu_profile} is not one of {', '.join(GPU_PROFILES)} (or null)")
 

@@ -196,3 +196,18 @@ def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_pa
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"step {step}: {key}")
     np.testing.assert_allclose(losses(resumed), losses(full)[2:], rtol=1e-6)
+
+
+def test_mu_dtype_keeps_the_first_moment_in_bf16_and_resumes_an_fp32_checkpoint(tmp_path, uninterrupted):
+    """mu_dtype=bfloat16: Adam's first moment in bf16 (the second in the weights' fp32), and a checkpoint
+    written with fp32 moments restores into it (cast on restore) and trains on to about the same losses."""
+    cfg = load_config(TINY + ["mu_dtype=bfloat16"])
+    opt = state_spec(cfg, sharding.create_mesh(cfg)).abstract["opt_state"]
+    adam = next(s for s in jax.tree.leaves(opt, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(s, "mu"))
+    assert {a.dtype for a in jax.tree.leaves(adam.mu)} == {np.dtype("bfloat16")}
+    assert {a.dtype for a in jax.tree.leaves(adam.nu)} == {np.dtype("float32")}
+    source, full = uninterrupted
+    records = run(tmp_path, "run_name=bf16_mu", "steps=6", "mu_dtype=bfloat16", "learning_rate_schedule_steps=6",
+                  f"load_full_state_path={source}/full/checkpoints/3/items")
+    assert [r["step"] for r in records] == [4, 5, 6]
+    np.testing.assert_allclose(losses(records), losses(full)[3:], rtol=2e-3)
