@@ -41,6 +41,7 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "ragged_buffer_factor": float,
     "num_devices": int,
     "dataset_path": str,
+    "dataset_name": str,
     "tokenizer_path": str,
     "hbm_gib": float,
     "gpu_profile": str,
@@ -276,6 +277,7 @@ def check_choices(cfg) -> None:
         "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
         "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
         "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS, "profiler": ("", "xplane"),
+        "lr_schedule_type": ("cosine", "wsd"), "wsd_decay_style": ("linear", "cosine"),
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
     for key, allowed in choices.items():
@@ -347,9 +349,12 @@ def check_positive(cfg) -> None:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
     if cfg.eval_interval != -1 and cfg.eval_interval < 1:
         raise ConfigError(f"eval_interval={cfg.eval_interval} must be at least 1, or -1 for no evaluation")
-    for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction"):
+    for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction"):
         if not 0 <= cfg[key] <= 1:
             raise ConfigError(f"{key}={cfg[key]} must be between 0 and 1")
+    if cfg.lr_schedule_type == "wsd" and cfg.warmup_steps_fraction + cfg.wsd_decay_steps_fraction > 1:
+        raise ConfigError(f"warmup_steps_fraction={cfg.warmup_steps_fraction} + wsd_decay_steps_fraction="
+                          f"{cfg.wsd_decay_steps_fraction} exceed 1 (the whole schedule); lower one of them")
 
 
 def check_attention_heads(cfg) -> None:

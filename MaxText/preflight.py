@@ -11,6 +11,7 @@ nothing fails, 1 when something does, 2 when the config itself does not load.
                 process_index and slice_index the runtime gives (one slice per host, or per NVLink domain
                 on multi-node NVLink): every ICI block inside one slice, dcn_* = the number of slices
   xla_flags     every flag parses under the installed jaxlib (an unknown one aborts XLA at start)
+  data          a corpus is named (the recipes leave it to the user; its files are checked at start-up)
   quantization  te_gmm_quantization suits the GPU generation (MXFP8: Blackwell; fp8_current: Hopper)
   nccl_ep       what NCCL EP cannot take (one data-parallel axis beside expert, experts % 4, factor >= 1)
   hbm           MaxText.plan's per-GPU memory against the profile's HBM
@@ -86,6 +87,15 @@ def check_xla_flags(cfg) -> list[Row]:
     return [Row("xla_flags", "fail", f"xla_flags: {p.message}") for p in problems]
 
 
+def check_data(cfg) -> list[Row]:
+    """A corpus is named (its files live on the cluster: the trainer checks them at start-up)."""
+    if cfg.dataset_type == "tfds" and cfg.dataset_name is None:
+        return [Row("data", "fail", "dataset_name is not set: name the corpus the run trains on, e.g. "
+                                     "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=...")]
+    name = cfg.dataset_name if cfg.dataset_type == "tfds" else "synthetic data"
+    return [Row("data", "pass", f"{name}, tokenizer {cfg.tokenizer_path or 'byte-level'} (files checked at start-up)")]
+
+
 def check_te(cfg, profile: GpuProfile, mesh_shape: dict) -> list[Row]:
     from MaxText.layers.moe import te_kernels
 
@@ -150,6 +160,7 @@ def preflight(cfg, tasks_per_node: int | None = None) -> dict:
     if devices_ok:
         rows += _try("mesh", lambda: check_mesh(cfg, profile))
     rows += check_xla_flags(cfg)
+    rows += check_data(cfg)
     plan = None
     if devices_ok:
         from MaxText import plan as planner, sharding

@@ -14,6 +14,7 @@ from tests.tiny import tiny_config
 
 GB200 = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
+DATA = ["dataset_name=c4/en:3.0.1", "dataset_path=/lustre/tfds"]  # the recipes leave the corpus to the user
 
 
 def _rows(result, status=None):
@@ -22,10 +23,13 @@ def _rows(result, status=None):
 
 @pytest.mark.parametrize("recipe", [os.path.basename(r) for r in RECIPES])
 def test_every_gpu_recipe_passes(recipe):
-    result = preflight.preflight(load_config([os.path.join(CONFIG_DIR, "gpu", recipe)]))
+    path = os.path.join(CONFIG_DIR, "gpu", recipe)
+    result = preflight.preflight(load_config([path, *DATA]))
     assert result["ok"], {k: r["detail"] for k, r in _rows(result, "fail").items()}
-    assert {"profile", "devices", "mesh", "xla_flags", "quantization", "nccl_ep", "hbm", "pinned_pool",
+    assert {"profile", "devices", "mesh", "xla_flags", "data", "quantization", "nccl_ep", "hbm", "pinned_pool",
             "host_memory"} <= set(_rows(result, "pass")), _rows(result)
+    # Without a corpus named, only the data row fails.
+    assert set(_rows(preflight.preflight(load_config([path])), "fail")) == {"data"}
 
 
 @pytest.mark.parametrize("name,overrides,check,message", [
@@ -43,7 +47,7 @@ def test_every_gpu_recipe_passes(recipe):
     ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
 ])
 def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
-    result = preflight.preflight(load_config([GB200, *overrides]))
+    result = preflight.preflight(load_config([GB200, *DATA, *overrides]))
     failed = _rows(result, "fail")
     assert not result["ok"] and check in failed, f"{name}: {failed}"
     detail = failed[check]["detail"]
@@ -51,16 +55,16 @@ def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
 
 
 def test_wrong_tasks_per_node_fails():
-    result = preflight.preflight(load_config([GB200]), tasks_per_node=8)
+    result = preflight.preflight(load_config([GB200, *DATA]), tasks_per_node=8)
     assert "--ntasks-per-node=4" in _rows(result, "fail")["devices"]["detail"]
-    assert preflight.preflight(load_config([GB200]), tasks_per_node=4)["ok"]
+    assert preflight.preflight(load_config([GB200, *DATA]), tasks_per_node=4)["ok"]
 
 
 def test_cli_exit_codes_and_table(capsys):
-    assert preflight.main([GB200]) == 0
+    assert preflight.main([GB200, *DATA]) == 0
     out = capsys.readouterr().out
     assert "ready to launch" in out and "mesh" in out and "lowering" in out
-    assert preflight.main([GB200, "host_memory_limit_gb=64"]) == 1
+    assert preflight.main([GB200, *DATA, "host_memory_limit_gb=64"]) == 1
     assert "1 check(s) fail" in capsys.readouterr().out
     assert preflight.main([GB200, "gpu_profile=dgx-a100"]) == 2
     err = capsys.readouterr().err
@@ -114,3 +118,12 @@ def test_the_pool_reaches_xla_before_it_starts():
     environ = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "64"}
     apply_xla_flags(tiny_config(), environ)
     assert environ == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "64"}, "unset: the environment's (or XLA's) stays"
+
+
+def test_a_recipe_without_a_corpus_stops_at_start_up_in_one_line(tmp_path):
+    """The recipes name no dataset: the trainer's fail-fast data check says which keys to set."""
+    from MaxText.data import validate
+
+    with pytest.raises(ConfigError, match="dataset_name is not set") as raised:
+        validate(load_config([GB200]))
+    assert "\n" not in str(raised.value)

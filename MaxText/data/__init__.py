@@ -7,11 +7,16 @@ first batch every time it is made.
 
 from __future__ import annotations
 
+from MaxText.config import ConfigError
+
 
 def validate(cfg) -> None:
     """Fails fast (ConfigError naming the key and path) on a dataset or tokenizer that is not there; builds
     the embedded python_stdlib dataset when it is missing. Cheap when everything is in place."""
     if cfg.dataset_type == "tfds":
+        if cfg.dataset_name is None:
+            raise ConfigError("dataset_name is not set: this config (a GPU recipe) trains on a corpus you name, e.g. "
+                              "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=/data/tokenizer.json")
         from MaxText.data import tfds_data
 
         tfds_data.validate(cfg)
