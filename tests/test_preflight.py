@@ -24,12 +24,14 @@ def _rows(result, status=None):
 @pytest.mark.parametrize("recipe", [os.path.basename(r) for r in RECIPES])
 def test_every_gpu_recipe_passes(recipe):
     path = os.path.join(CONFIG_DIR, "gpu", recipe)
-    result = preflight.preflight(load_config([path, *DATA]))
+    result = preflight.preflight([path, *DATA])
     assert result["ok"], {k: r["detail"] for k, r in _rows(result, "fail").items()}
     assert {"profile", "devices", "mesh", "xla_flags", "data", "quantization", "nccl_ep", "hbm", "pinned_pool",
-            "host_memory"} <= set(_rows(result, "pass")), _rows(result)
+            "host_memory", "lowering"} <= set(_rows(result, "pass")), _rows(result)
+    lowering = _rows(result)["lowering"]["detail"]
+    assert "TE FFI calls (te_grouped_gemm" in lowering and "up to the first TE kernel" in lowering, lowering
     # Without a corpus named, only the data row fails.
-    assert set(_rows(preflight.preflight(load_config([path])), "fail")) == {"data"}
+    assert set(_rows(preflight.preflight([path], lower=False), "fail")) == {"data"}
 
 
 @pytest.mark.parametrize("name,overrides,check,message", [
@@ -47,7 +49,7 @@ def test_every_gpu_recipe_passes(recipe):
     ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
 ])
 def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
-    result = preflight.preflight(load_config([GB200, *DATA, *overrides]))
+    result = preflight.preflight([GB200, *DATA, *overrides], lower=False)
     failed = _rows(result, "fail")
     assert not result["ok"] and check in failed, f"{name}: {failed}"
     detail = failed[check]["detail"]
@@ -55,17 +57,19 @@ def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
 
 
 def test_wrong_tasks_per_node_fails():
-    result = preflight.preflight(load_config([GB200, *DATA]), tasks_per_node=8)
+    result = preflight.preflight([GB200, *DATA], tasks_per_node=8, lower=False)
     assert "--ntasks-per-node=4" in _rows(result, "fail")["devices"]["detail"]
-    assert preflight.preflight(load_config([GB200, *DATA]), tasks_per_node=4)["ok"]
+    assert preflight.preflight([GB200, *DATA], tasks_per_node=4, lower=False)["ok"]
 
 
 def test_cli_exit_codes_and_table(capsys):
     assert preflight.main([GB200, *DATA]) == 0
     out = capsys.readouterr().out
     assert "ready to launch" in out and "mesh" in out and "lowering" in out
-    assert preflight.main([GB200, *DATA, "host_memory_limit_gb=64"]) == 1
-    assert "1 check(s) fail" in capsys.readouterr().out
+    assert preflight.main([GB200, *DATA, "host_memory_limit_gb=64", "ici_expert_parallelism=1",
+                           "dcn_expert_parallelism=8"]) == 1  # two failing rows; the lowering then waits
+    out = capsys.readouterr().out
+    assert "2 check(s) fail" in out and "not run: fix the mesh" in out, out
     assert preflight.main([GB200, "gpu_profile=dgx-a100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: gpu_profile=dgx-a100") and err.count("\n") == 1
@@ -127,3 +131,9 @@ def test_a_recipe_without_a_corpus_stops_at_start_up_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="dataset_name is not set") as raised:
         validate(load_config([GB200]))
     assert "\n" not in str(raised.value)
+
+
+def test_a_step_that_does_not_lower_fails_the_lowering_row():
+    """The lowering process's own error becomes the row (here: a config it cannot load)."""
+    rows = preflight.check_lowering([GB200, *DATA, "no_such_key=1"])
+    assert rows[0].status == "fail" and "no_such_key" in rows[0].detail, rows

@@ -1,0 +1,98 @@
+"""The full-scale train step, lowered on a laptop: abstract parameters, the recipe's whole mesh, TE traced.
+
+    python -m MaxText.lowering <recipe.yml> [key=value ...]      # prints one JSON object (the preflight's row)
+
+Runs in its own process, because the device count is fixed when JAX starts: JAX on CPU with as many
+simulated devices as the recipe's num_devices, Transformer Engine's real Python over te_trace's stand-in at
+the gpu_profile's compute capability (when the MoE runs TE kernels), nothing allocated. Three steps:
+
+  1. trace the jitted train step on the state's and the batch's abstract values (shape and dtype errors);
+  2. lower it for CUDA: count TE's FFI custom calls, TE's partitioned ops (custom_partitioning) and the
+     host-offload annotations in the module the GPU would compile;
+  3. lower for CPU (TE's lowerings registered there) and compile: XLA partitions the step over the mesh with
+     TE's own sharding rules, then stops at the first TE kernel, for which CPU has no handler. Any sharding
+     or shape error of the partitioning surfaces before that stop; a step without TE compiles whole.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import sys
+import time
+
+FFI_STOP = "No FFI handler registered for te_"
+
+
+def lower_step(cfg) -> dict:
+    """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices)."""
+    import jax
+    import jax.numpy as jnp
+
+    from MaxText import sharding
+    from MaxText.config import global_batch_size
+    from MaxText.hardware import GPU_PROFILES
+    from MaxText.layers.moe import te_kernels, te_trace
+    from MaxText.state import state_spec
+    from MaxText.train_step import jit_train_step
+
+    uses_te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    if uses_te:
+        te_trace.install(GPU_PROFILES[cfg.gpu_profile].sm if cfg.gpu_profile else 90)
+    start = time.perf_counter()
+    mesh = sharding.create_mesh(cfg)
+    global_batch = global_batch_size(cfg, mesh.devices.size)
+    spec = state_spec(cfg, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.max_target_length), jnp.int32, sharding=batch_sharding)
+             for k in ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position",
+                       "targets_segmentation")}
+    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+        if uses_te:
+            te_trace.bootstrap_ep(cfg, mesh, global_batch)
+        traced = jit_train_step(cfg, spec, batch_sharding).trace(spec.abstract, batch)
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        if uses_te:
+            te_trace.register_cpu_lowerings()
+        try:
+            traced.lower().compile()
+            stop = "compiled whole (no TE kernel)"
+        except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
+            stop = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return {
+        "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
+        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning"),
+        "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),
+        "compile_stop": stop,
+        "ok": stop.startswith("compiled whole") or FFI_STOP in stop,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from MaxText.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(json.dumps({"ok": False, "error": str(e)}))
+        return 2
+    # Before JAX starts: as many CPU devices as the recipe's GPUs (the recipe's GPU XLA flags stay out).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.num_devices or 1}"
+    try:
+        result = lower_step(cfg)
+    except ConfigError as e:
+        result = {"ok": False, "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - reported as the preflight's row, with its first line
+        result = {"ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
