@@ -29,10 +29,10 @@ FFI_STOP = "No FFI handler registered for te_"
 def lower_step(cfg) -> dict:
     """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices)."""
     import jax
-    import jax.numpy as jnp
 
     from MaxText import sharding
     from MaxText.config import global_batch_size
+    from MaxText.data import abstract_batch
     from MaxText.hardware import GPU_PROFILES
     from MaxText.layers.moe import te_kernels, te_trace
     from MaxText.state import state_spec
@@ -46,9 +46,7 @@ def lower_step(cfg) -> dict:
     global_batch = global_batch_size(cfg, mesh.devices.size)
     spec = state_spec(cfg, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.max_target_length), jnp.int32, sharding=batch_sharding)
-             for k in ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position",
-                       "targets_segmentation")}
+    batch = abstract_batch(global_batch, cfg.max_target_length, batch_sharding)
     with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
         if uses_te:
             te_trace.bootstrap_ep(cfg, mesh, global_batch)

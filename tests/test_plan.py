@@ -7,11 +7,11 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from MaxText import plan, sharding
 from MaxText.config import CONFIG_DIR, load_config
+from MaxText.data import abstract_batch
 from MaxText.state import state_spec
 from MaxText.train_step import jit_train_step
 
@@ -21,9 +21,7 @@ def compiled_memory(cfg):
     mesh = sharding.create_mesh(cfg, jax.devices()[:1])
     spec = state_spec(cfg, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    shape = (int(cfg.per_device_batch_size), cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
-             for k in ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")}
+    batch = abstract_batch(int(cfg.per_device_batch_size), cfg.max_target_length, batch_sharding)
     with jax.set_mesh(mesh):
         return jit_train_step(cfg, spec, batch_sharding).lower(spec.abstract, batch).compile().memory_analysis()
 

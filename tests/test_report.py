@@ -61,9 +61,9 @@ def test_train_step_logs_the_keys_the_report_reads():
     import functools
 
     import jax
-    import jax.numpy as jnp
 
     from MaxText import sharding
+    from MaxText.data import abstract_batch
     from MaxText.state import state_spec
     from MaxText.train_step import train_step
     from tests.tiny import tiny_config
@@ -71,8 +71,7 @@ def test_train_step_logs_the_keys_the_report_reads():
     cfg = tiny_config()
     mesh = sharding.create_mesh(cfg)
     spec = state_spec(cfg, mesh)
-    batch = {k: jax.ShapeDtypeStruct((16, cfg.max_target_length), jnp.int32)
-             for k in ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_segmentation")}
+    batch = abstract_batch(16, cfg.max_target_length)
     with jax.set_mesh(mesh):
         _, metrics = jax.eval_shape(functools.partial(train_step, graphdef=spec.graphdef, cfg=cfg, tx=spec.tx),
                                     spec.abstract, batch)

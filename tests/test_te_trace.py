@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText import sharding
 from MaxText.config import ConfigError, global_batch_size
+from MaxText.data import abstract_batch
 from MaxText.layers.moe import ragged, te_dropless, te_kernels, te_trace
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing
@@ -224,10 +225,8 @@ def _moe_layer_jaxpr(cfg, mesh):
 
 
 def _batch(cfg, mesh):
-    spec = sharding.batch_sharding(mesh)
-    shape = (global_batch_size(cfg, mesh.devices.size), cfg.max_target_length)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=spec) for k in (
-        "inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")}
+    return abstract_batch(global_batch_size(cfg, mesh.devices.size), cfg.max_target_length,
+                          sharding.batch_sharding(mesh))
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from MaxText.config import ConfigError
 
+# The arrays of every pipeline's batch, each [rows, L] int32 (the first four in the order packing fills them).
+BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+
+
+def abstract_batch(global_batch: int, seq_len: int, sharding=None) -> dict:
+    """The global batch as ShapeDtypeStructs (optionally with their sharding): what the train step is traced
+    and compiled on without data."""
+    import jax
+    import jax.numpy as jnp
+
+    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
 
 def validate(cfg) -> None:
     """Fails fast (ConfigError naming the key and path) on a dataset or tokenizer that is not there; builds

@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 from MaxText.config import ConfigError  # noqa: E402
-from MaxText.data import python_stdlib  # noqa: E402  (registers the python_stdlib builder)
+from MaxText.data import BATCH_KEYS, python_stdlib  # noqa: E402  (python_stdlib registers its builder)
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
 try:
@@ -48,7 +48,7 @@ except RuntimeError:  # TF already initialised its devices elsewhere in this pro
 
 SHUFFLE_BUFFER = 1024  # documents; on top of the shuffled file order
 EVAL_EPOCH = 2**31 - 1  # the "epoch" whose order the eval stream reads
-KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+KEYS = BATCH_KEYS
 
 
 def default_data_dir() -> str:
