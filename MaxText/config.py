@@ -449,6 +449,15 @@ def global_batch_size(cfg, num_devices: int) -> int:
     return int(round(batch))
 
 
+def cli_arguments(argv, doc: str) -> tuple[list[str], bool] | None:
+    """The command line of a config-reading tool (MaxText.plan, MaxText.preflight): its arguments without
+    `--json`, and whether `--json` was given; None after printing `doc` for -h/--help."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc)
+        return None
+    return [x for x in argv if x != "--json"], "--json" in argv
+
+
 def apply_xla_flags(cfg, environ=os.environ) -> None:
     """Merges cfg.xla_flags into XLA_FLAGS and sets XLA's pinned-host pool from host_memory_limit_gb; must run
     before JAX initialises its backend.

@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from MaxText import sharding
-from MaxText.config import REMAT_TENSOR_NAMES, ConfigError, global_batch_size, layer_counts, load_config
+from MaxText.config import (REMAT_TENSOR_NAMES, ConfigError, cli_arguments, global_batch_size, layer_counts,
+                            load_config)
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity
 from MaxText.layers.moe.te_dropless import aligned_buffer_rows
@@ -273,8 +274,9 @@ def planned_devices(cfg) -> int:
     return jax.device_count()
 
 
-def plan(cfg) -> dict:
-    """Everything the console table and --json show, in bytes per device unless named otherwise."""
+def plan(cfg, hbm_gib: float | None = None) -> dict:
+    """Everything the console table and --json show, in bytes per device unless named otherwise; the verdict
+    against hbm_gib, else cfg.hbm_gib, else the local device's memory."""
     num_devices = planned_devices(cfg)
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
     spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
@@ -283,7 +285,7 @@ def plan(cfg) -> dict:
     acts = activation_bytes(cfg, mesh_shape, num_devices)
     memory["activations"] = acts["saved"] + acts["transient"]
     device_total = sum(memory.values())
-    hbm = cfg.hbm_gib or default_hbm_gib()
+    hbm = hbm_gib or cfg.hbm_gib or default_hbm_gib()
     verdict = None
     if hbm:
         use = device_total / (hbm * GIB)
@@ -337,12 +339,10 @@ def format_table(p: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+    parsed = cli_arguments(list(sys.argv[1:] if argv is None else argv), __doc__)
+    if parsed is None:
         return 0
-    as_json = "--json" in argv
-    argv = [x for x in argv if x != "--json"]
+    argv, as_json = parsed
     try:
         cfg = load_config(argv)
         result = plan(cfg)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from MaxText.config import HOST_POOL_ENV, XLA_DEFAULT_HOST_POOL_GB, ConfigError, load_config
+from MaxText.config import HOST_POOL_ENV, XLA_DEFAULT_HOST_POOL_GB, ConfigError, cli_arguments, load_config
 from MaxText.hardware import GPU_PROFILES, GpuProfile, simulated_devices
 
 GIB = 1 << 30
@@ -112,14 +112,9 @@ def check_te(cfg, profile: GpuProfile, mesh_shape: dict) -> list[Row]:
 
 def check_memory(cfg, profile: GpuProfile, plan: dict) -> list[Row]:
     """HBM (the plan), the pinned-host pool per process, and each host's memory."""
-    from MaxText.plan import HEADROOM
-
-    total = plan["bytes"]["total"]
-    hbm = cfg.hbm_gib or profile.hbm_gib
-    use = total / (hbm * GIB)
-    verdict = "fits" if use <= HEADROOM else ("tight" if use <= 1.0 else "does not fit")
+    total, hbm, verdict = plan["bytes"]["total"], plan["hbm_gib"], plan["verdict"]
     rows = [Row("hbm", "fail" if verdict == "does not fit" else "pass",
-                f"{total / GIB:.1f} of {hbm:g} GiB per GPU ({use:.0%}, {verdict})"
+                f"{total / GIB:.1f} of {hbm:g} GiB per GPU ({total / (hbm * GIB):.0%}, {verdict})"
                 + ("; lower per_device_batch_size or offload more (MaxText.plan shows the parts)"
                    if verdict == "does not fit" else ""))]
     pool_gb = cfg.host_memory_limit_gb if cfg.host_memory_limit_gb is not None else XLA_DEFAULT_HOST_POOL_GB
@@ -202,7 +197,7 @@ def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = 
         try:
             mesh_shape = sharding.mesh_shape(cfg, cfg.num_devices)
             rows += check_te(cfg, profile, mesh_shape)
-            plan = planner.plan(cfg)
+            plan = planner.plan(cfg, hbm_gib=cfg.hbm_gib or profile.hbm_gib)
             rows += check_memory(cfg, profile, plan)
         except ConfigError as e:
             rows.append(Row("memory", "fail", str(e)))
@@ -226,12 +221,10 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+    parsed = cli_arguments(list(sys.argv[1:] if argv is None else argv), __doc__)
+    if parsed is None:
         return 0
-    as_json = "--json" in argv
-    argv = [x for x in argv if x != "--json"]
+    argv, as_json = parsed
     tasks = None
     if "--tasks-per-node" in argv:
         i = argv.index("--tasks-per-node")

@@ -110,8 +110,7 @@ def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
     whose expert groups NCCL EP already aligns to 128 rows (token_counts are the aligned sizes)."""
     te, mesh = kernels.te, jax.sharding.get_abstract_mesh()
     t = x_TD.shape[0]
-    tokens_per_rank = te_kernels.tokens_per_ep_rank(
-        {axis: mesh.shape[axis] for axis in layout.batch}, t // cfg.max_target_length, cfg.max_target_length)
+    tokens_per_rank = te_kernels.tokens_per_ep_rank({axis: mesh.shape[axis] for axis in layout.batch}, t)
     recv_cap = te_kernels.ep_recv_capacity(te, cfg, tokens_per_rank, layout.num_ep)
     ep_cfg = te["ep"].EpLayerConfig(top_k=cfg.num_experts_per_tok, dispatch_output_per_expert_alignment=ALIGN)
     # TE's ep_prepare/ep_dispatch partitioning folds only `expert` into a replicated leading dim: a token

@@ -223,16 +223,15 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
                           "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
 
 
-def tokens_per_ep_rank(mesh_shape, global_batch: int, seq_len: int) -> int:
-    """Tokens one NCCL EP rank sends a step: the batch splits over every mesh axis but `tensor`."""
-    ranks = math.prod(size for axis, size in mesh_shape.items() if axis != "tensor")
-    return global_batch * seq_len // ranks
+def tokens_per_ep_rank(mesh_shape, tokens: int) -> int:
+    """Tokens one NCCL EP rank sends of a step's `tokens`: the batch splits over every mesh axis but `tensor`."""
+    return tokens // math.prod(size for axis, size in mesh_shape.items() if axis != "tensor")
 
 
 def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
     """Keyword arguments of TE's ep_bootstrap for this config and mesh (world_size: the mesh's devices)."""
     te = _import_te()
-    tokens = tokens_per_ep_rank(mesh_shape, global_batch, cfg.max_target_length)
+    tokens = tokens_per_ep_rank(mesh_shape, global_batch * cfg.max_target_length)
     return dict(world_size=math.prod(mesh_shape.values()), num_experts=cfg.num_experts,
                 max_tokens_per_rank=tokens,
                 recv_capacity_per_rank=ep_recv_capacity(te, cfg, tokens, mesh_shape["expert"]),
