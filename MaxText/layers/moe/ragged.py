@@ -85,27 +85,55 @@ def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD
     return combine(out_SD, weights_TK), dispatch.overflow
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_for_compute(w, axes: tuple, dim: int, dtype):
+    """Inside shard_map: this device's shard of a weight, cast to the compute dtype, then all-gathered over
+    `axes` along `dim` (tiled). The forward gather (and its rematerialised repeat) moves compute-dtype bytes,
+    half of an fp32 master weight's; the gradient is reduce-scattered in float32 and comes back in the
+    weight's own dtype, so the reduction over the FSDP shards loses nothing to bf16 rounding."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True) if axes else w.astype(dtype)
+
+
+def _gather_fwd(w, axes, dim, dtype):
+    return gather_for_compute(w, axes, dim, dtype), jnp.zeros((0,), w.dtype)  # the residual carries w's dtype
+
+
+def _gather_bwd(axes, dim, dtype, empty, g):
+    g = g.astype(jnp.float32)
+    if axes:
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    return (g.astype(empty.dtype),)
+
+
+gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
+
+
 class MeshLayout(NamedTuple):
-    """How a per-device MoE function sits on the mesh: tokens split over the batch axes, expert weights
-    gathered over fsdp and split over `expert` (E) and the `mlp` axes (F)."""
+    """How a per-device MoE function sits on the mesh: tokens split over the batch axes; expert weights enter
+    in their own sharding (E over `expert`, D over the `embed` axes: fsdp, F over the `mlp` axes) and are
+    gathered over D inside, in the compute dtype (gather_for_compute)."""
     batch: tuple
     mlp: tuple
     num_ep: int
+    embed: tuple = ()  # mesh axes splitting the expert weights' model dim D (the param's `embed` sharding)
 
     def run(self, per_device, x_TD, routing: Routing, w, check_vma: bool = True):
         """shard_map of per_device(x, experts, weights, wi_0, wi_1, wo) -> (y, overflow): adds up the
-        tensor shards' partial outputs and the devices' overflow counts."""
-        return self.run_on(per_device, (x_TD, routing.experts_TK, routing.weights_TK), w, check_vma)
+        tensor shards' partial outputs and the devices' overflow counts. Weights arrive in x_TD's dtype."""
+        return self.run_on(per_device, (x_TD, routing.experts_TK, routing.weights_TK), w, x_TD.dtype, check_vma)
 
-    def run_on(self, per_device, token_arrays, w, check_vma: bool = True):
+    def run_on(self, per_device, token_arrays, w, dtype, check_vma: bool = True):
         """shard_map of per_device(*token_arrays, wi_0, wi_1, wo) -> (y, overflow) where every token array
-        is split over the batch axes on its leading dim. check_vma=False for bodies with Transformer
-        Engine's custom VJPs, whose abstract values carry no manual-axis type (JAX's check rejects them)."""
-        batch, mlp = self.batch, self.mlp
-        exp, f = ("expert" if self.num_ep > 1 else None), (mlp or None)
+        is split over the batch axes on its leading dim and the weights arrive gathered, in `dtype`.
+        check_vma=False for bodies with Transformer Engine's custom VJPs, whose abstract values carry no
+        manual-axis type (JAX's check rejects them)."""
+        batch, mlp, embed = self.batch, self.mlp, self.embed
+        exp, f, d = ("expert" if self.num_ep > 1 else None), (mlp or None), (embed or None)
 
         def body(*args):
-            y, overflow = per_device(*args)
+            *tokens_, wi_0, wi_1, wo = args
+            wi_0, wi_1 = (gather_for_compute(w_, embed, 1, dtype) for w_ in (wi_0, wi_1))
+            y, overflow = per_device(*tokens_, wi_0, wi_1, gather_for_compute(wo, embed, 2, dtype))
             if mlp:  # each tensor shard holds a slice of F: its partial outputs add up
                 y = jax.lax.psum(y, mlp)
             overflow = jax.lax.psum(overflow, batch) if batch else overflow
@@ -113,14 +141,18 @@ class MeshLayout(NamedTuple):
 
         tokens = P(batch or None)
         return jax.shard_map(
-            body, in_specs=(*(tokens,) * len(token_arrays), P(exp, None, f), P(exp, None, f), P(exp, f, None)),
+            body, in_specs=(*(tokens,) * len(token_arrays), P(exp, d, f), P(exp, d, f), P(exp, f, d)),
             out_specs=(tokens, P()), check_vma=check_vma,
         )(*token_arrays, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
 
 
+def _axes(entry) -> tuple:
+    """One PartitionSpec entry as a tuple of mesh axes."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def _mesh_axes(logical: str, rules) -> tuple:
-    axes = logical_to_spec((logical,), rules)[0]
-    return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    return _axes(logical_to_spec((logical,), rules)[0])
 
 
 def mesh_layout(rules) -> MeshLayout | None:
@@ -129,7 +161,8 @@ def mesh_layout(rules) -> MeshLayout | None:
     if rules is None or mesh.empty:
         return None
     layout = MeshLayout(_mesh_axes("activation_batch", rules), _mesh_axes("activation_mlp", rules),
-                        mesh.shape.get("expert", 1))
+                        mesh.shape.get("expert", 1),
+                        _axes(logical_to_spec(("exp", "embed", "mlp"), rules)[1]))  # how the weights' D is split
     if layout.num_ep > 1 and "expert" not in layout.batch:
         raise ConfigError("a dropless MoE with expert parallelism needs the batch split over `expert` too: "
                           "keep 'expert' in the activation_batch rule of logical_axis_rules")

@@ -137,7 +137,7 @@ def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
         out_RD = grouped_ffn(kernels, cfg.te_gmm_quantization, x_RD, sizes_E, wi_0, wi_1, wo)
         return (out_RD.astype(jnp.float32) * w_R[:, None]).astype(out_RD.dtype)[None], jnp.zeros((), jnp.int32)
 
-    out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w, check_vma=False)
+    out_PRD, _ = layout.run_on(per_rank, (recv_PRD, counts_PE, recv_w_PR), w, recv_PRD.dtype, check_vma=False)
     with jax.named_scope("moe_combine"):
         # num_local_tokens is the GLOBAL token count (TE moe.py passes the global (B, S)); ep_combine's
         # partitioning splits it over the ranks.
