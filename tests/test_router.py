@@ -541,3 +541,17 @@ def test_router_configs_that_load():
 ])
 def test_upstream_moe_spellings(overrides, impl):
     assert tiny_config(*overrides).moe_impl == impl, overrides
+
+
+def test_top_k_by_sort_is_lax_top_k_ties_included():
+    """router.top_k (a stable sort, which XLA partitions over tokens) returns lax.top_k's values and indices,
+    ties going to the lower index, also at -inf (masked groups)."""
+    from MaxText.layers.moe.router import top_k
+
+    x = jax.random.randint(jax.random.key(0), (64, 3, 16), 0, 5).astype(jnp.float32)  # many ties
+    x = x.at[:, :, ::3].set(-jnp.inf)
+    for k in (1, 4, 16):
+        values, indices = top_k(x, k)
+        want_values, want_indices = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(indices, want_indices)
+        np.testing.assert_array_equal(values, want_values)
