@@ -24,9 +24,13 @@ def cross_entropy(h_BLD, targets_BL, weights_BL, logits_fn, tiles: int = 1):
     pad = size * tiles - tokens  # padded tokens carry weight 0
 
     def tile(x, fill=0):
+        # Tile i takes tokens i, i + tiles, i + 2 tiles, ...: every device's block of tokens splits evenly over
+        # the tiles, so each tile stays split over the same devices as the batch. (Contiguous tiles would put
+        # a tile's tokens on 1/tiles of the devices, and the partitioner would instead split the logits'
+        # contraction dim and all-reduce float32 [tokens, V] partial logits for every tile.)
         x = x.reshape(tokens, *x.shape[2:])
         x = jnp.concatenate([x, jnp.full((pad, *x.shape[1:]), fill, x.dtype)]) if pad else x
-        return x.reshape(tiles, size, *x.shape[1:])
+        return jnp.swapaxes(x.reshape(size, tiles, *x.shape[1:]), 0, 1)
 
     @jax.checkpoint
     def tile_loss(args):

@@ -50,3 +50,27 @@ def test_tiling_keeps_logits_out_of_the_saved_residuals():
 
     whole, tiled = temp(1), temp(8)
     assert tiled < 0.5 * whole, (whole, tiled)
+
+
+def test_logits_dot_backward_runs_in_the_input_dtype():
+    """embed.logits_dot: float32 logits forward; its backward rounds the cotangent to bf16 (as a bf16 logits
+    matmul would) and returns gradients in the inputs' dtype, within bf16 rounding of float32 autodiff."""
+    from MaxText.layers.embed import logits_dot
+
+    h, w, targets, weights = _case(d=16, v=64)
+
+    def loss(fn, h, w):
+        return cross_entropy(h, targets, weights, lambda x: fn(x, w))
+
+    def f32(x, w_):
+        return jnp.einsum("bld,dv->blv", x.astype(jnp.float32), w_.astype(jnp.float32))
+
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert logits_dot(hb, wb).dtype == jnp.float32
+    np.testing.assert_allclose(loss(logits_dot, hb, wb), loss(f32, hb, wb), rtol=1e-6)
+    got = jax.grad(lambda h_, w_: loss(logits_dot, h_, w_), argnums=(0, 1))(hb, wb)
+    want = jax.grad(lambda h_, w_: loss(f32, h_, w_), argnums=(0, 1))(hb, wb)
+    for g, r in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(r.astype(jnp.float32))))
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=2e-2 * scale)
