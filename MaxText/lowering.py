@@ -12,22 +12,29 @@ the gpu_profile's compute capability (when the MoE runs TE kernels), nothing all
   3. lower for CPU (TE's lowerings registered there) and compile: XLA partitions the step over the mesh with
      TE's own sharding rules, then stops at the first TE kernel, for which CPU has no handler. Any sharding
      or shape error of the partitioning surfaces before that stop; a step without TE compiles whole.
+     XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
+     such as CPU's widening of bf16 collectives to float32), and MaxText.collectives counts its collectives
+     per device per step: kind, dtype, bytes, loop trips multiplied through.
 """
 
 from __future__ import annotations
 
 import collections
+import glob
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 FFI_STOP = "No FFI handler registered for te_"
+_DUMP_FLAGS = "--xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_pass_re=spmd-partitioning"
 
 
-def lower_step(cfg) -> dict:
-    """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices)."""
+def lower_step(cfg, dump_dir: str | None = None) -> dict:
+    """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices). With dump_dir (where
+    XLA_FLAGS had XLA dump the train step after SPMD partitioning), the result counts its collectives."""
     import jax
 
     from MaxText import sharding
@@ -59,8 +66,19 @@ def lower_step(cfg) -> dict:
             stop = "compiled whole (no TE kernel)"
         except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
             stop = str(e).splitlines()[0] if str(e) else type(e).__name__
+    collectives = None
+    partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt"))
+                         ) if dump_dir else []
+    if partitioned:
+        from MaxText.collectives import count_collectives, largest, summarize
+
+        with open(partitioned[-1]) as f:
+            found, unknown_trips = count_collectives(f.read(), mesh.devices.size)
+        collectives = {"per_device_per_step": summarize(found), "largest": largest(found),
+                       "loops_with_unknown_trips": unknown_trips}
     return {
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        "collectives": collectives,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
         "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning"),
         "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),
@@ -80,14 +98,18 @@ def main(argv=None) -> int:
         print(json.dumps({"ok": False, "error": str(e)}))
         return 2
     # Before JAX starts: as many CPU devices as the recipe's GPUs (the recipe's GPU XLA flags stay out).
+    dump = tempfile.TemporaryDirectory(prefix="maxtext-lowering-")
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.num_devices or 1}"
+    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={cfg.num_devices or 1} "
+                               f"--xla_dump_to={dump.name} {_DUMP_FLAGS}")
     try:
-        result = lower_step(cfg)
+        result = lower_step(cfg, dump.name)
     except ConfigError as e:
         result = {"ok": False, "error": str(e)}
     except Exception as e:  # noqa: BLE001 - reported as the preflight's row, with its first line
         result = {"ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    finally:
+        dump.cleanup()
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

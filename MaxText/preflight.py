@@ -169,9 +169,27 @@ def check_lowering(argv: list[str], timeout: float = 600) -> list[Row]:
             else "partitioned by XLA with TE's rules up to the first TE kernel")
     detail = (f"traced and lowered for CUDA on {mesh}: {sum(calls.values())} TE FFI calls ("
               + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) + f"), {result['te_partitioned_ops']} "
-              f"TE partitioned ops, {result['host_offload_annotations']} host-offload annotations; {stop} "
-              f"({result['seconds']} s)")
+              f"TE partitioned ops, {result['host_offload_annotations']} host-offload annotations; {stop}"
+              + _collectives_text(result.get("collectives")) + f" ({result['seconds']} s)")
     return [Row("lowering", "pass" if result["ok"] else "fail", detail)]
+
+
+def _collectives_text(collectives: dict | None) -> str:
+    """`; XLA collectives per GPU per step: all-gather 423 GiB (bf16), ...`, each kind's bytes with its
+    dtypes by share; TE's NCCL EP dispatch/combine are FFI calls, not among them."""
+    if not collectives:
+        return ""
+    kinds = []
+    for kind, s in collectives["per_device_per_step"].items():
+        shares = [(d, b / s["bytes"]) for d, b in sorted(s["dtypes"].items(), key=lambda kv: -kv[1])]
+        shares = [(d, f) for d, f in shares if f >= 0.01]
+        dtypes = shares[0][0] if len(shares) == 1 else ", ".join(f"{d} {f:.0%}" for d, f in shares)
+        size = s["bytes"] / GIB
+        kinds.append(f"{kind} {size:.1f} GiB" if size >= 0.1 else f"{kind} {s['bytes'] / 2**20:.1f} MiB")
+        kinds[-1] += f" ({dtypes})"
+    unknown = collectives.get("loops_with_unknown_trips")
+    return ("; XLA collectives per GPU per step: " + (", ".join(kinds) or "none")
+            + (f" ({unknown} loops counted once: trip count unreadable)" if unknown else ""))
 
 
 def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = True) -> dict:

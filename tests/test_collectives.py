@@ -1,0 +1,122 @@
+"""MaxText.collectives reads a partitioned module's collectives right (kinds, bytes, groups, loop trips), and
+the train step, lowered on 8 simulated devices, moves what it should: weights gathered in the compute dtype
+with float32 gradient reduction, no token-wide gathers for routing, no float32 logits all-reduced."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from MaxText.collectives import count_collectives, largest, summarize
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODULE = """HloModule m, entry_computation_layout={(f32[16,8]{1,0})->f32[4,8]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%cond (p: (s32[], bf16[1,8])) -> pred[] {
+  %p = (s32[], bf16[1,8]{1,0}) parameter(0)
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%p#0, %n), direction=LT
+}
+
+%body (p.1: (s32[], bf16[1,8])) -> (s32[], bf16[1,8]) {
+  %p.1 = (s32[], bf16[1,8]{1,0}) parameter(0)
+  %ag = bf16[4,8]{1,0} all-gather(%p.1#1), channel_id=1, replica_groups=mesh['data'=1,'fsdp'=4,'expert'=2] {'fsdp'}, dimensions={0}
+  %noop = bf16[4,8]{1,0} all-reduce(%ag), channel_id=2, replica_groups=mesh['data'=1,'fsdp'=4,'expert'=2] {'data'}, to_apply=%add
+  ROOT %t = (s32[], bf16[1,8]{1,0}) tuple(%p.1#0, %p.1#1)
+}
+
+%cond.2 (q: (s32[], f32[8])) -> pred[] {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  %m = s32[] parameter(1)
+  ROOT %lt.2 = pred[] compare(%q#0, %m), direction=LT
+}
+
+%body.2 (q.1: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q.1 = (s32[], f32[8]{0}) parameter(0)
+  %a2a = f32[8]{0} all-to-all(%q.1#1), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  ROOT %t.2 = (s32[], f32[8]{0}) tuple(%q.1#0, %a2a)
+}
+
+ENTRY %main (x: f32[16,8]) -> f32[4,8] {
+  %x = f32[16,8]{1,0} parameter(0)
+  %ar = f32[16,8]{1,0} all-reduce(%x), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %c0 = s32[] constant(0)
+  %ds = f32[4,8]{1,0} dynamic-slice(%ar, %c0, %c0), dynamic_slice_sizes={4,8}
+  %rs = f32[2,8]{1,0} reduce-scatter(%x), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  %sum = f32[] all-reduce(%c0), channel_id=6, replica_groups={}, to_apply=%add
+  %init = (s32[], bf16[1,8]{1,0}) tuple(%c0, %c0)
+  %loop = (s32[], bf16[1,8]{1,0}) while(%init), condition=%cond, body=%body
+  %init.2 = (s32[], f32[8]{0}) tuple(%c0, %c0)
+  %loop.2 = (s32[], f32[8]{0}) while(%init.2), condition=%cond.2, body=%body.2, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[4,8]{1,0} add(%ds, %ds)
+}
+"""
+
+
+def test_kinds_bytes_groups_and_loop_trips():
+    found, unknown = count_collectives(MODULE, num_devices=8)
+    assert unknown == 0
+    by_kind = summarize(found)
+    # The all-gather runs 5 times (its loop's condition: i < 5), bf16[4,8] = 64 bytes each, over fsdp (4).
+    assert by_kind["all-gather"] == {"count": 5, "bytes": 320, "wire_bytes": 5 * 64 * 3 / 4, "dtypes": {"bf16": 320}}
+    # all-reduce + dynamic-slice is a reduce-scatter (512 bytes in); the native one: 64 out x 4 = 256 in.
+    assert by_kind["reduce-scatter"]["count"] == 2 and by_kind["reduce-scatter"]["bytes"] == 512 + 256
+    # replica_groups={} is every device; the all-reduce over `data` (one device) is left out.
+    assert by_kind["all-reduce"] == {"count": 1, "bytes": 4, "wire_bytes": 2 * 4 * 7 / 8, "dtypes": {"f32": 4}}
+    # XLA's known_trip_count: 3 runs of a 32-byte all-to-all over pairs.
+    assert by_kind["all-to-all"]["count"] == 3 and by_kind["all-to-all"]["bytes"] == 96
+    top = largest(found, n=1)[0]
+    assert (top["kind"], top["shape"], top["group"]) == ("reduce-scatter", [16, 8], 4), top
+
+
+def test_a_loop_with_an_unreadable_trip_count_is_reported():
+    """A loop bounded by a runtime value (here a parameter): its collectives are counted once and flagged."""
+    module = MODULE.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    found, unknown = count_collectives(module, num_devices=8)
+    assert unknown == 1 and summarize(found)["all-to-all"]["count"] == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_lowered():
+    """The tiny DeepSeek (MLA, group-limited routing, MTP) lowered on 8 CPU devices, fsdp 4 x expert 2, bf16
+    compute, logits in 4 tiles: MaxText.lowering's JSON."""
+    argv = ["configs/base.yml", "model_name=deepseek3-tiny", "num_devices=8", "ici_fsdp_parallelism=4",
+            "ici_expert_parallelism=2", "moe_impl=ragged", "num_vocab_tiling=4", "dtype=bfloat16",
+            "dataset_type=synthetic", "max_target_length=64", "per_device_batch_size=2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, "-m", "MaxText.lowering", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["collectives"], result
+    return result
+
+
+def test_weights_are_gathered_in_the_compute_dtype(tiny_deepseek_lowered):
+    """Expert weights enter the MoE's shard_map as float32 master weights; before, the FSDP all-gather moved
+    float32 (twice the bytes). Now every sizeable gather is bf16, and the expert weights' gradients are
+    still reduce-scattered in float32."""
+    collectives = tiny_deepseek_lowered["collectives"]
+    gathers = collectives["per_device_per_step"]["all-gather"]
+    assert gathers["dtypes"].get("f32", 0) < 0.05 * gathers["bytes"], gathers
+    experts = [c for c in collectives["largest"] if c["shape"][-2:] in ([64, 32], [32, 64], [16, 32], [32, 16])]
+    assert {(c["kind"], c["dtype"]) for c in experts} == {("all-gather", "bf16"), ("reduce-scatter", "f32")}, experts
+
+
+def test_no_collective_spans_every_token(tiny_deepseek_lowered):
+    """Routing is per token: XLA's partitioner used to gather every token's [T, E] scores to every device for
+    lax.top_k, and to split the tiled logits' contraction dim, all-reducing float32 [tokens, V] logits."""
+    tokens, vocab = 8 * 2 * 64, 512
+    collectives = tiny_deepseek_lowered["collectives"]
+    for c in collectives["largest"]:
+        assert c["shape"][0] != tokens, c
+        assert not (c["kind"] == "all-reduce" and c["shape"][-1] == vocab), c
+    assert collectives["per_device_per_step"]["all-reduce"]["bytes"] < 64 * 1024, collectives
