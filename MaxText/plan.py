@@ -183,6 +183,23 @@ def moe_rows(cfg, t: int, ep: int) -> int:
     return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
 
 
+# Bytes per element of a Transformer Engine FP8 copy, both layouts (TE keeps a row-wise and a column-wise copy
+# of each GEMM operand: MXFP8 always, tensor-scaled FP8 on Hopper, whose FP8 GEMM takes only the NT layout):
+# 1 byte each, plus MXFP8's one E8M0 scale per 32 elements.
+TE_FP8_BYTES = {"fp8_current": 2.0, "mxfp8": 2 * (1 + 1 / 32)}
+
+
+def te_quantized_bytes(cfg, r: int, ep: int, tp: int) -> dict:
+    """One MoE layer's FP8 copies in TE's quantized grouped GEMMs (moe_impl=te_dropless): "forward", what the
+    three GEMMs quantize and keep for their backward (the buffer twice, for wi_0 and wi_1, the [R, F] hidden
+    once, the local experts' three weights), and "backward", the cotangents they quantize there."""
+    q = TE_FP8_BYTES.get(cfg.te_gmm_quantization) if cfg.moe_impl == "te_dropless" else None
+    if not q:
+        return {"forward": 0, "backward": 0}
+    d, f, local = cfg.base_emb_dim, cfg.base_moe_mlp_dim // tp, cfg.num_experts // ep
+    return {"forward": q * (2 * r * d + r * f + 3 * local * d * f), "backward": q * (2 * r * f + r * d)}
+
+
 def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
     d, k, f = cfg.base_emb_dim, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim // tp
     r = moe_rows(cfg, t, ep)
@@ -192,7 +209,9 @@ def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
     other = 3 * t * cfg.num_experts * 4 + 2 * t * k * d * a + r * d * a + r * f * a + t * d * a
     if cfg.moe_impl == "dense":  # float32 one-hot dispatch and combine tensors [T, E, C]
         other += 2 * r * cfg.max_target_length * 4
-    block = LayerTensors(named, other, 2 * r * d * a)
+    working = 2 * r * d * a
+    fp8 = te_quantized_bytes(cfg, r, ep, tp)
+    block = LayerTensors(named, other + fp8["forward"], working + fp8["backward"])
     if cfg.shared_experts:
         # DeepSeek's shared experts are an MLP beside the routed ones (their tensors carry the mlp* names)
         block = block + _mlp(cfg, t, tp, a, cfg.shared_experts * cfg.base_moe_mlp_dim)
@@ -247,8 +266,9 @@ def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
     tiles = cfg.num_vocab_tiling
     kept_logits = heads * logits if tiles == 1 else 0
     inputs = 5 * t * 4 + heads * 2 * t * cfg.base_emb_dim * a  # the batch; embeddings and final norms
+    fp8 = te_quantized_bytes(cfg, moe_rows(cfg, t, ep), ep, tp) if moe else {"forward": 0, "backward": 0}
     return {"saved": saved + kept_logits + inputs, "transient": max(layer, 2 * logits / tiles),
-            "host_offload": host, "tokens_per_device": t}
+            "host_offload": host, "tokens_per_device": t, "te_fp8_per_moe_layer": fp8["forward"] + fp8["backward"]}
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -301,7 +321,8 @@ def plan(cfg, hbm_gib: float | None = None) -> dict:
         "params_active_mtp": counts.mtp_active,
         "flops_per_token": model_flops_per_token(cfg),
         "bytes": memory | {"total": device_total},
-        "activation_detail": {k: acts[k] for k in ("saved", "transient")},
+        "activation_detail": {k: acts[k] for k in ("saved", "transient", "te_fp8_per_moe_layer")},
+        "fsdp_gather_dtype": cfg.dtype,  # layers are gathered in the compute dtype, gradients reduced in weight_dtype
         "host_offload_bytes": acts["host_offload"],
         "hbm_gib": hbm,
         "verdict": verdict,
@@ -328,6 +349,9 @@ def format_table(p: dict) -> str:
         lines.append(f"{name:<18} {value / GIB:>10.2f}")
     if p["host_offload_bytes"]:
         lines.append(f"{'host (offloaded)':<18} {p['host_offload_bytes'] / GIB:>10.2f}")
+    if p["activation_detail"]["te_fp8_per_moe_layer"]:
+        lines.append(f"(activations include TE's FP8 copies in one MoE layer: "
+                     f"{p['activation_detail']['te_fp8_per_moe_layer'] / GIB:.2f} GiB)")
     if p["verdict"]:
         use = p["bytes"]["total"] / (p["hbm_gib"] * GIB)
         lines.append(f"\nverdict: {p['verdict']} in {p['hbm_gib']:g} GiB HBM ({use:.0%} used; "

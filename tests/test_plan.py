@@ -110,3 +110,25 @@ def test_command_line_table_json_and_errors(capsys):
     assert plan.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("quantization,per_element", [("mxfp8", 2 * (1 + 1 / 32)), ("fp8_current", 2.0)])
+def test_te_fp8_copies_are_counted(quantization, per_element):
+    """TE's quantized grouped GEMMs keep row- and column-wise FP8 copies of the buffer (twice: wi_0 and wi_1
+    quantize it separately), of the [R, F] hidden and of the local experts' weights, and quantize the three
+    cotangents in the backward: one MoE layer's worth, on top of the bf16 plan."""
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
+    cfg = load_config([recipe, f"te_gmm_quantization={quantization}"])
+    bf16 = plan.plan(load_config([recipe, "te_gmm_quantization=none"]))
+    fp8 = plan.plan(cfg)
+    r, d, f, local = plan.moe_rows(cfg, fp8["tokens_per_device"], 8), 7168, 2048, 256 // 8
+    balanced = fp8["tokens_per_device"] * 8 // 8  # T x K slots over 8 peers
+    assert 8 * 2 * balanced <= r <= 8 * 2 * balanced + 128 * local  # 8 peers x 2x, expert groups 128-aligned
+    forward = per_element * (2 * r * d + r * f + 3 * local * d * f)
+    backward = per_element * (2 * r * f + r * d)
+    assert fp8["activation_detail"]["te_fp8_per_moe_layer"] == pytest.approx(forward + backward)
+    assert bf16["activation_detail"]["te_fp8_per_moe_layer"] == 0
+    # The forward copies are residuals of the recomputed layer; the backward's add to the MoE block's largest
+    # short-lived set, which competes with attention's chunk of scores for the layer's peak.
+    grown = fp8["bytes"]["activations"] - bf16["bytes"]["activations"]
+    assert forward <= grown <= forward + backward, (grown, forward, backward)
