@@ -89,8 +89,8 @@ def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD
 def gather_for_compute(w, axes: tuple, dim: int, dtype):
     """Inside shard_map: this device's shard of a weight, cast to the compute dtype, then all-gathered over
     `axes` along `dim` (tiled). The forward gather (and its rematerialised repeat) moves compute-dtype bytes,
-    half of an fp32 master weight's; the gradient is reduce-scattered in float32 and comes back in the
-    weight's own dtype, so the reduction over the FSDP shards loses nothing to bf16 rounding."""
+    half of an fp32 master weight's; the gradient is reduce-scattered in the weight's own dtype, so with
+    fp32 master weights the sum over the FSDP shards loses nothing to bf16 rounding."""
     return jax.lax.all_gather(w.astype(dtype), axes, axis=dim, tiled=True) if axes else w.astype(dtype)
 
 
@@ -99,10 +99,10 @@ def _gather_fwd(w, axes, dim, dtype):
 
 
 def _gather_bwd(axes, dim, dtype, empty, g):
-    g = g.astype(jnp.float32)
+    g = g.astype(empty.dtype)  # reduced in the weight's dtype: float32 master weights, float32 sums
     if axes:
         g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-    return (g.astype(empty.dtype),)
+    return (g,)
 
 
 gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
