@@ -91,10 +91,13 @@ def check_xla_flags(cfg) -> list[Row]:
 
 
 def check_data(cfg) -> list[Row]:
-    """A corpus is named (its files live on the cluster: the trainer checks them at start-up)."""
-    if cfg.dataset_type == "tfds" and cfg.dataset_name is None:
-        return [Row("data", "fail", "dataset_name is not set: name the corpus the run trains on, e.g. "
-                                     "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=...")]
+    """A corpus and, for a large vocabulary, a tokenizer are named (their files live on the cluster: the
+    trainer checks them at start-up)."""
+    from MaxText.data import corpus_problem
+
+    problem = corpus_problem(cfg)
+    if problem:
+        return [Row("data", "fail", problem)]
     name = cfg.dataset_name if cfg.dataset_type == "tfds" else "synthetic data"
     return [Row("data", "pass", f"{name}, tokenizer {cfg.tokenizer_path or 'byte-level'} (files checked at start-up)")]
 

@@ -14,7 +14,8 @@ from tests.tiny import tiny_config
 
 GB200 = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
-DATA = ["dataset_name=c4/en:3.0.1", "dataset_path=/lustre/tfds"]  # the recipes leave the corpus to the user
+# The recipes leave the corpus and the tokenizer to the user.
+DATA = ["dataset_name=c4/en:3.0.1", "dataset_path=/lustre/tfds", "tokenizer_path=/lustre/deepseek-v3/tokenizer.json"]
 
 
 def _rows(result, status=None):
@@ -30,8 +31,9 @@ def test_every_gpu_recipe_passes(recipe):
             "host_memory", "lowering"} <= set(_rows(result, "pass")), _rows(result)
     lowering = _rows(result)["lowering"]["detail"]
     assert "TE FFI calls (te_grouped_gemm" in lowering and "up to the first TE kernel" in lowering, lowering
-    # Without a corpus named, only the data row fails.
-    assert set(_rows(preflight.preflight([path], lower=False), "fail")) == {"data"}
+    # Without a corpus named, only the data row fails (the benchmark recipe generates its tokens).
+    if load_config([path]).dataset_type == "tfds":
+        assert set(_rows(preflight.preflight([path], lower=False), "fail")) == {"data"}
 
 
 @pytest.mark.parametrize("name,overrides,check,message", [
@@ -131,6 +133,12 @@ def test_a_recipe_without_a_corpus_stops_at_start_up_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="dataset_name is not set") as raised:
         validate(load_config([GB200]))
     assert "\n" not in str(raised.value)
+    # A corpus but no tokenizer: DeepSeek-V3's 129280 ids would be trained on 259 byte ids.
+    with pytest.raises(ConfigError, match="tokenizer_path is not set.*vocab_size=129280") as raised:
+        validate(load_config([GB200, *DATA[:2]]))
+    assert "\n" not in str(raised.value)
+    rows = {r.check: r for r in preflight.check_data(load_config([GB200, *DATA[:2]]))}
+    assert rows["data"].status == "fail" and "tokenizer_path" in rows["data"].detail
 
 
 def test_a_step_that_does_not_lower_fails_the_lowering_row():

@@ -22,13 +22,33 @@ def abstract_batch(global_batch: int, seq_len: int, sharding=None) -> dict:
     return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
+# The built-in byte-level tokenizer's 259 ids fill under 1/16 of a vocabulary larger than this: a model that
+# size (DeepSeek-V3: 129280) trained on bytes would leave nearly all of its embedding untrained.
+BYTE_LEVEL_MAX_VOCAB = 16 * 259
+
+
+def corpus_problem(cfg) -> str | None:
+    """One line on what the config leaves unnamed for real text (dataset_name; a tokenizer for a large
+    vocabulary), or None. Shared by the trainer's start-up check and the preflight's data row."""
+    if cfg.dataset_type != "tfds":
+        return None
+    if cfg.dataset_name is None:
+        return ("dataset_name is not set: this config (a GPU recipe) trains on a corpus you name, e.g. "
+                "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=/data/tokenizer.json")
+    if cfg.tokenizer_path is None and cfg.vocab_size > BYTE_LEVEL_MAX_VOCAB:
+        return (f"tokenizer_path is not set: the built-in byte-level tokenizer (259 ids) would use almost none of "
+                f"vocab_size={cfg.vocab_size}; set tokenizer_path to the model's tokenizer.json or SentencePiece "
+                "*.model")
+    return None
+
+
 def validate(cfg) -> None:
-    """Fails fast (ConfigError naming the key and path) on a dataset or tokenizer that is not there; builds
-    the embedded python_stdlib dataset when it is missing. Cheap when everything is in place."""
+    """Fails fast (ConfigError naming the key and path) on a dataset or tokenizer that is not there or not
+    named; builds the embedded python_stdlib dataset when it is missing. Cheap when everything is in place."""
+    problem = corpus_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.dataset_type == "tfds":
-        if cfg.dataset_name is None:
-            raise ConfigError("dataset_name is not set: this config (a GPU recipe) trains on a corpus you name, e.g. "
-                              "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=/data/tokenizer.json")
         from MaxText.data import tfds_data
 
         tfds_data.validate(cfg)
