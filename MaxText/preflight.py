@@ -80,13 +80,15 @@ def check_mesh(cfg, profile: GpuProfile) -> list[Row]:
 
 
 def check_xla_flags(cfg) -> list[Row]:
-    from MaxText.xla_flags import check_flags
+    from MaxText.xla_flags import check_flags, retired_flags
 
     if not cfg.xla_flags:
         return [Row("xla_flags", "pass", "none set")]
     problems = check_flags(cfg.xla_flags)
     if not problems:
-        return [Row("xla_flags", "pass", f"all {len(cfg.xla_flags.split())} parse under the installed jaxlib")]
+        retired = retired_flags(cfg.xla_flags)
+        return [Row("xla_flags", "pass", f"all {len(cfg.xla_flags.split())} parse under the installed jaxlib"
+                    + "".join(f"; {line}" for line in retired))]
     return [Row("xla_flags", "fail", f"xla_flags: {p.message}") for p in problems]
 
 

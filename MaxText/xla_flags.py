@@ -208,9 +208,35 @@ def _own_jaxlib_dir() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
+def retired_flags(flags: str | list[str], jaxlib_dir: str | None = None) -> list[str]:
+    """One line per entry of `flags` whose option the installed jaxlib has retired (a `reserved` name in its
+    DebugOptions descriptor) but still parses as an alias, e.g. `--xla_gpu_enable_pipelined_all_gather` in
+    jaxlib 0.12 (now `--xla_gpu_pipeline_all_gather=on|off|default|explicit`): it works today, and the
+    next release may refuse it. Empty when none are, or when no descriptor is found."""
+    directory = jaxlib_dir or _own_jaxlib_dir()
+    reserved = _descriptor(directory)[1]
+    lines = []
+    for entry in (flags.split() if isinstance(flags, str) else flags):
+        name = _name(entry)
+        if name in reserved:
+            guess = suggest(name, list(_known_names(directory)))
+            lines.append(f"--{name} is a retired alias" + (f" of --{guess}" if guess else "")
+                         + "; use the current name before a jaxlib upgrade refuses it")
+    return lines
+
+
 @functools.cache
 def _known_names(jaxlib_dir: str) -> tuple[str, ...]:
     """known_flag_names for one directory (see there)."""
+    fields, reserved, printable = _descriptor(jaxlib_dir)
+    if fields:
+        return tuple(sorted(fields))
+    return tuple(sorted(n for n in printable - reserved if not n.endswith("_") and not re.search(r"_2[ef]", n)))
+
+
+@functools.cache
+def _descriptor(jaxlib_dir: str) -> tuple[frozenset, frozenset, frozenset]:
+    """(field names, reserved names, every printable xla_... string) in the jaxlib libraries of a directory."""
     fields, reserved, printable = set(), set(), set()
     for lib in sorted(pathlib.Path(jaxlib_dir).rglob("*.so")):
         if not lib.is_file() or lib.stat().st_size == 0:  # mmap refuses empty files
@@ -227,6 +253,4 @@ def _known_names(jaxlib_dir: str) -> tuple[str, ...]:
                 else:
                     # Adjacent literals can run together ("..._passesxla_gpu_..."): split where a name restarts.
                     printable.update(re.split(r"(?<=[a-z0-9])(?=xla_)", name.decode()))
-    if fields:
-        return tuple(sorted(fields))
-    return tuple(sorted(n for n in printable - reserved if not n.endswith("_") and not re.search(r"_2[ef]", n)))
+    return frozenset(fields), frozenset(reserved), frozenset(printable)

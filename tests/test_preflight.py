@@ -145,3 +145,9 @@ def test_a_step_that_does_not_lower_fails_the_lowering_row():
     """The lowering process's own error becomes the row (here: a config it cannot load)."""
     rows = preflight.check_lowering([GB200, *DATA, "no_such_key=1"])
     assert rows[0].status == "fail" and "no_such_key" in rows[0].detail, rows
+
+
+def test_a_retired_xla_flag_passes_with_its_successor_named():
+    """The recipes' first flags (--xla_gpu_enable_pipelined_*) still start jaxlib 0.12 but are retired aliases."""
+    rows = preflight.check_xla_flags(load_config([GB200, "xla_flags=--xla_gpu_enable_pipelined_all_gather=true"]))
+    assert rows[0].status == "pass" and "retired alias of --xla_gpu_pipeline_all_gather" in rows[0].detail, rows
