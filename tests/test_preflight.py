@@ -151,3 +151,30 @@ def test_a_retired_xla_flag_passes_with_its_successor_named():
     """The recipes' first flags (--xla_gpu_enable_pipelined_*) still start jaxlib 0.12 but are retired aliases."""
     rows = preflight.check_xla_flags(load_config([GB200, "xla_flags=--xla_gpu_enable_pipelined_all_gather=true"]))
     assert rows[0].status == "pass" and "retired alias of --xla_gpu_pipeline_all_gather" in rows[0].detail, rows
+
+
+@pytest.mark.parametrize("recipe", ["deepseek3-671b-gb200-128.yml", "deepseek3-671b-h100-256.yml"])
+def test_pre_training_recipes_train_as_deepseek_v3_did(recipe):
+    """DeepSeek-V3's published pre-training: plain RoPE at 4K (YaRN came later), AdamW with bf16 first moment,
+    clip 1.0, 2000 warmup steps to 2.2e-4, held, cosine to 2.2e-5 over the last 29%; checkpoints and
+    evaluations in the thousands of steps. The recipes' first versions had YaRN at 4K and a 3e-3 peak."""
+    from MaxText.optimizers import learning_rate_schedule
+
+    cfg = load_config([os.path.join(CONFIG_DIR, "gpu", recipe)])
+    assert cfg.rope_type == "default" and cfg.max_target_length == 4096
+    assert (cfg.mu_dtype, cfg.gradient_clipping_threshold, cfg.adam_b2) == ("bfloat16", 1.0, 0.95)
+    schedule, total = learning_rate_schedule(cfg), cfg.learning_rate_schedule_steps
+    assert float(schedule(1000)) == pytest.approx(1.1e-4, rel=0.01)  # halfway up the 2000-step warmup
+    assert float(schedule(2000)) == pytest.approx(2.2e-4, rel=2e-3)  # warmup_steps_fraction rounds to ~2000 steps
+    assert float(schedule(int(0.7 * total))) == pytest.approx(2.2e-4)
+    assert float(schedule(total)) == pytest.approx(2.2e-5)
+    assert cfg.checkpoint_period >= 1000 and cfg.eval_interval >= 1000
+
+
+def test_the_context_extension_recipe_applies_yarn_beyond_4k():
+    from MaxText.optimizers import learning_rate_schedule
+
+    cfg = load_config([os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-16k-gb200-128.yml")])
+    assert cfg.rope_type == "yarn" and cfg.max_target_length > cfg.original_max_position_embeddings == 4096
+    schedule = learning_rate_schedule(cfg)
+    assert [float(schedule(s)) for s in (0, 15000, cfg.steps - 1)] == pytest.approx([7.3e-6] * 3)  # constant
