@@ -1,17 +1,20 @@
 """Will this recipe launch on its target GPUs? Checked on any machine, without a GPU or the model in memory.
 
-    python -m MaxText.preflight <recipe.yml> [key=value ...] [--json] [--tasks-per-node N]
+    python -m MaxText.preflight <recipe.yml> [key=value ...] [--json] [--tasks-per-node N] [--no-lowering]
 
 The recipe names its hardware with `gpu_profile` (MaxText/hardware.py). One row per check, each `pass`,
 `fail` (one line naming the key and the fix) or `todo` (not run, said plainly); exit 0 only when nothing
-fails, 1 when something does, 2 when the config itself does not load. About a minute on 2 cores.
+fails, 1 when something does, 2 when the config itself does not load. 10-30 s on 2 cores, nearly all of it
+the lowering (--no-lowering leaves it as a todo row: what scripts/slurm.sbatch runs before starting the GPUs,
+where the container's TE may not be the version te_trace answers for).
 
   devices       num_devices fills whole hosts; one process per GPU: --ntasks-per-node = GPUs per host
   mesh          the trainer's own mesh builder (sharding.device_grid) over simulated devices carrying the
                 process_index and slice_index the runtime gives (one slice per host, or per NVLink domain
                 on multi-node NVLink): every ICI block inside one slice, dcn_* = the number of slices
   xla_flags     every flag parses under the installed jaxlib (an unknown one aborts XLA at start)
-  data          a corpus is named (the recipes leave it to the user; its files are checked at start-up)
+  data          a corpus, and a tokenizer for a large vocabulary, are named (the recipes leave both to the
+                user; their files are checked at start-up)
   quantization  te_gmm_quantization suits the GPU generation (MXFP8: Blackwell; fp8_current: Hopper)
   nccl_ep       what NCCL EP cannot take (one data-parallel axis beside expert, experts % 4, factor >= 1)
   hbm           MaxText.plan's per-GPU memory against the profile's HBM
@@ -19,7 +22,8 @@ fails, 1 when something does, 2 when the config itself does not load. About a mi
   host_memory   per host: the pinned pools of its GPUs plus async checkpointing's host copy of the state
   lowering      the whole train step at full scale (MaxText.lowering, in its own process): traced, lowered
                 for CUDA (TE's custom calls and the host-offload annotations counted) and partitioned over
-                the recipe's devices with TE's own sharding rules, up to the first TE kernel
+                the recipe's devices with TE's own sharding rules, up to the first TE kernel; the partitioned
+                module's collectives per GPU per step, by kind and dtype (MaxText.collectives)
 """
 
 from __future__ import annotations
@@ -228,7 +232,7 @@ def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = 
     if lower and layout_ok:
         rows += check_lowering(argv)
     else:
-        rows.append(Row("lowering", "todo", "not run (lower=False)" if not lower else
+        rows.append(Row("lowering", "todo", "not run (--no-lowering)" if not lower else
                         "not run: fix the mesh, quantization and NCCL EP rows first"))
     return {"profile": cfg.gpu_profile, "num_devices": cfg.num_devices, "rows": [r._asdict() for r in rows],
             "plan": plan, "ok": all(r.status != "fail" for r in rows)}
@@ -248,6 +252,8 @@ def main(argv=None) -> int:
     if parsed is None:
         return 0
     argv, as_json = parsed
+    lower = "--no-lowering" not in argv
+    argv = [x for x in argv if x != "--no-lowering"]
     tasks = None
     if "--tasks-per-node" in argv:
         i = argv.index("--tasks-per-node")
@@ -260,7 +266,7 @@ def main(argv=None) -> int:
     elif os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
         tasks = int(os.environ["SLURM_NTASKS_PER_NODE"])
     try:
-        result = preflight(argv, tasks)
+        result = preflight(argv, tasks, lower=lower)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -72,6 +72,9 @@ def test_cli_exit_codes_and_table(capsys):
                            "dcn_expert_parallelism=8"]) == 1  # two failing rows; the lowering then waits
     out = capsys.readouterr().out
     assert "2 check(s) fail" in out and "not run: fix the mesh" in out, out
+    assert preflight.main([GB200, *DATA, "--no-lowering", "--tasks-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "lowering      todo  not run (--no-lowering)" in out and "(todo rows not checked)" in out, out
     assert preflight.main([GB200, "gpu_profile=dgx-a100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: gpu_profile=dgx-a100") and err.count("\n") == 1
@@ -178,3 +181,35 @@ def test_the_context_extension_recipe_applies_yarn_beyond_4k():
     assert cfg.rope_type == "yarn" and cfg.max_target_length > cfg.original_max_position_embeddings == 4096
     schedule = learning_rate_schedule(cfg)
     assert [float(schedule(s)) for s in (0, 15000, cfg.steps - 1)] == pytest.approx([7.3e-6] * 3)  # constant
+
+
+def test_the_slurm_job_runs_the_preflight_first(tmp_path):
+    """scripts/slurm.sbatch: one preflight task (CPU, the job's tasks per node, no lowering) before the trainer's
+    srun; a failing preflight ends the job before any GPU starts; PREFLIGHT=0 skips it. srun is faked."""
+    import subprocess
+
+    log = tmp_path / "srun.log"
+    fake = tmp_path / "srun"
+    fake.write_text('#!/usr/bin/env bash\necho "$*" >> "$SRUN_LOG"\n'
+                    'if [[ "$*" == *LAUNCH_MODULE=MaxText.preflight* ]]; then exit "${PREFLIGHT_RC:-0}"; fi\n')
+    fake.chmod(0o755)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def job(**env):
+        log.write_text("")
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "PREFLIGHT"}
+        environ.update(PATH=f"{tmp_path}:{os.environ['PATH']}", SRUN_LOG=str(log), SLURM_NTASKS_PER_NODE="4(x32)",
+                       **env)
+        done = subprocess.run(["bash", "scripts/slurm.sbatch", GB200, "run_name=x"], cwd=root, env=environ,
+                              capture_output=True, text=True)
+        return done.returncode, log.read_text().splitlines()
+
+    rc, calls = job()
+    assert rc == 0 and len(calls) == 2, calls
+    assert "--ntasks=1" in calls[0] and "JAX_PLATFORMS=cpu" in calls[0], calls[0]
+    assert calls[0].endswith(f"{GB200} run_name=x --tasks-per-node 4 --no-lowering"), calls[0]
+    assert "--kill-on-bad-exit=1" in calls[1] and calls[1].endswith(f"{GB200} run_name=x"), calls[1]
+    rc, calls = job(PREFLIGHT_RC="1")
+    assert rc == 1 and len(calls) == 1, calls
+    rc, calls = job(PREFLIGHT="0")
+    assert rc == 0 and len(calls) == 1 and "--kill-on-bad-exit=1" in calls[0], calls
