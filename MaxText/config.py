@@ -387,6 +387,30 @@ def check_experts(cfg) -> None:
             f"ici_expert_parallelism x dcn_expert_parallelism = {ep}")
 
 
+# moe_impl=dense builds float32 one-hot dispatch and combine masks [S, E, C] per sequence of S tokens (C = S
+# without a capacity: quadratic in the sequence length); a config whose masks exceed this is refused.
+DENSE_MASK_LIMIT_BYTES = 2 ** 30
+
+
+def check_dense_masks(cfg) -> None:
+    """moe_impl=dense only where its per-sequence masks stay under DENSE_MASK_LIMIT_BYTES."""
+    if cfg.moe_impl != "dense" or cfg.num_experts <= 1:
+        return
+    from MaxText.layers.moe.dense import capacity  # noqa: PLC0415 - the layer imports this module
+
+    s, e = cfg.max_target_length, cfg.num_experts
+    mask = s * e * capacity(s, e, cfg.num_experts_per_tok, cfg.capacity_factor) * 4
+    if mask > DENSE_MASK_LIMIT_BYTES:
+        capped = s * e * capacity(s, e, cfg.num_experts_per_tok, 1.25) * 4
+        cap, fix = ((("capacity_factor=null (capacity = the sequence)", f"cap it (capacity_factor=1.25: "
+                      f"{capped / 2 ** 30:.2f} GiB, drops what overflows)")) if cfg.capacity_factor is None
+                    else (f"capacity_factor={cfg.capacity_factor}", "lower capacity_factor"))
+        raise ConfigError(
+            f"moe_impl=dense with {cap} builds two float32 [S, E, C] masks of {mask / 2 ** 30:.1f} GiB per sequence "
+            f"per MoE layer at max_target_length={s}, num_experts={e} (limit {DENSE_MASK_LIMIT_BYTES / 2 ** 30:g} "
+            f"GiB); use moe_impl=ragged (dropless, no masks) or {fix}")
+
+
 def check_parallelism(cfg) -> None:
     """Each ici_*/dcn_* value is a positive size, or -1/null (absorb the rest) for at most one axis per group."""
     for group in ("ici", "dcn"):
@@ -420,7 +444,7 @@ def check_checkpoint_sources(cfg) -> None:
 
 
 CHECKS = (check_choices, check_te_options, check_router, check_positive, check_attention_heads, check_layers,
-          check_experts, check_parallelism, check_logical_axis_rules, check_checkpoint_sources)
+          check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_checkpoint_sources)
 
 
 def validate(cfg) -> None:

@@ -176,9 +176,9 @@ def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
 def moe_rows(cfg, t: int, ep: int) -> int:
     """Rows of one device's expert buffer: the static shapes each moe_impl allocates."""
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    if cfg.moe_impl == "dense":
-        s = cfg.max_target_length
-        return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor) // ep
+    if cfg.moe_impl == "dense":  # [E, G, C] over all E experts: split over `expert`, the batch G is gathered
+        s = cfg.max_target_length  # by as much, so a device holds E x (its G) x C rows whatever the EP size
+        return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor)
     rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor)
     return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
 

@@ -69,7 +69,7 @@ def test_shipped_config_loads_and_validates(argv):
 
 def test_no_arguments_loads_base_defaults():
     cfg = load_config([])
-    assert cfg.steps == 200 and cfg.moe_impl == "dense" and cfg.run_name is None, dict(cfg)
+    assert cfg.steps == 200 and cfg.moe_impl == "ragged" and cfg.run_name is None, dict(cfg)  # dropless by default
 
 
 # ------------------------------------------------------------------------------- base_config chains

@@ -363,3 +363,30 @@ def test_bf16_within_tolerance_of_f32_reference(capacity_factor):
     assert_close(y, y_ref, f"forward, {case}", BF16_TOL)
     want_dropped = 0.0 if kept is None else 1.0 - kept.mean()
     np.testing.assert_allclose(float(stats["dropped_fraction"]), want_dropped, rtol=0, atol=1e-6, err_msg=case)
+
+
+# ------------------------------------------------------------------------------------- a safe default
+
+def test_the_default_is_dropless_and_dense_refuses_quadratic_masks():
+    """moe_impl defaults to ragged (dropless, as MaxText's default). dense without a capacity builds float32
+    [S, E, S] masks per sequence: 8 GiB each for qwen3-30b-a3b at 4K, refused in one line naming the fix;
+    capped, or at a short sequence, it loads."""
+    from MaxText.config import ConfigError
+
+    assert load_config(["model_name=qwen3-30b-a3b", "max_target_length=4096"]).moe_impl == "ragged"
+    with pytest.raises(ConfigError, match=r"8\.0 GiB per sequence .* use moe_impl=ragged") as raised:
+        load_config(["model_name=qwen3-30b-a3b", "max_target_length=4096", "moe_impl=dense"])
+    assert "\n" not in str(raised.value) and "capacity_factor=1.25" in str(raised.value)
+    load_config(["model_name=qwen3-30b-a3b", "max_target_length=4096", "moe_impl=dense", "capacity_factor=1.25"])
+    load_config(["model_name=qwen3-30b-a3b", "max_target_length=512", "moe_impl=dense"])
+
+
+def test_plan_counts_dense_buffers_whole_under_expert_parallelism():
+    """dense's [E, G, C] buffer is split over `expert` on E while its batch G is gathered by the same factor:
+    a device holds E x its own G x C rows at any EP size (the plan used to divide by EP)."""
+    from MaxText import plan
+
+    cfg = load_config(["moe_impl=dense", "capacity_factor=1.0", "max_target_length=64", "num_experts=8"])
+    t = 4 * 64
+    rows = [plan.moe_rows(cfg, t, ep) for ep in (1, 2, 8)]
+    assert rows == [4 * 8 * dense.capacity(64, 8, cfg.num_experts_per_tok, 1.0)] * 3, rows
