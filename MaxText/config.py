@@ -435,6 +435,14 @@ def check_logical_axis_rules(cfg) -> None:
         if not ok or any(a not in MESH_AXES for a in axes):
             raise ConfigError(
                 f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+    # The dropless impls run per device in shard_map: tokens must be split over `expert` wherever experts are,
+    # or every expert-parallel rank would hold (and dispatch) the same tokens.
+    expert_parallel = any(cfg[f"{g}_expert_parallelism"] not in (1,) for g in ("ici", "dcn"))
+    if cfg.moe_impl in ("ragged", "te_dropless") and cfg.num_experts > 1 and expert_parallel:
+        batch = next((rule[1] for rule in cfg.logical_axis_rules if rule[0] == "activation_batch"), None)
+        if "expert" not in ([batch] if isinstance(batch, str) else list(batch or [])):
+            raise ConfigError(f"moe_impl={cfg.moe_impl} with expert parallelism needs the batch split over `expert` "
+                              "too: keep 'expert' in the activation_batch rule of logical_axis_rules")
 
 
 def check_checkpoint_sources(cfg) -> None:

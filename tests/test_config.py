@@ -362,3 +362,13 @@ def test_train_cli_config_error_is_one_line_exit_2(arg, needles):
     assert len(lines) == 1 and lines[0].strip(), f"stderr should be exactly one non-empty line\n{report}"
     for needle in needles:
         assert needle in lines[0], f"stderr should mention {needle!r}\n{report}"
+
+
+def test_expert_parallel_dropless_needs_the_batch_split_over_expert():
+    """A rule set that splits experts over `expert` but not the batch is refused when the config loads (it
+    used to surface at trace time, from inside the MoE layer)."""
+    rules = ("logical_axis_rules=[['activation_batch', ['data', 'fsdp']], ['exp', ['expert']], "
+             "['embed', ['fsdp']]]")
+    with pytest.raises(ConfigError, match="keep 'expert' in the activation_batch rule"):
+        load_config(["ici_expert_parallelism=2", "ici_fsdp_parallelism=-1", rules])
+    load_config(["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1", rules])  # no expert parallelism: fine

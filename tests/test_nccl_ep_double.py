@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText import sharding
-from MaxText.layers.moe import ragged, te_dropless, te_kernels
+from MaxText.layers.moe import layout, te_dropless, te_kernels
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing
 from tests.moe_reference import moe_reference
@@ -194,7 +194,7 @@ def _nccl_ep_step(kernels, cfg, rules):
     routing is an input, so one compile serves every routing case."""
     def f(x, w, experts, weights):
         routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((E,)), jnp.zeros(()))
-        y, overflow = te_dropless.nccl_ep_moe(kernels, x, routing, w, cfg, ragged.mesh_layout(rules))
+        y, overflow = te_dropless.nccl_ep_moe(kernels, x, routing, w, cfg, layout.mesh_layout(rules))
         return jnp.sum(y * _cotangent(y.shape)), (y, overflow)
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3), has_aux=True))

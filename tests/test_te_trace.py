@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from MaxText import sharding
 from MaxText.config import ConfigError, global_batch_size
 from MaxText.data import abstract_batch
-from MaxText.layers.moe import ragged, te_dropless, te_kernels, te_trace
+from MaxText.layers.moe import layout, te_dropless, te_kernels, te_trace
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing
 from MaxText.state import state_spec
@@ -335,7 +335,7 @@ def test_check_vma_off_leaves_reference_gradients_unchanged():
         for check_vma in (True, False):
             def loss(x, w):
                 routing = Routing(weights, experts, *([jnp.zeros(())] * 2), jnp.zeros((e,)), jnp.zeros(()))
-                y, _ = ragged.run_on_mesh(x, routing, w, rules, local, parallel, check_vma=check_vma)
+                y, _ = layout.run_on_mesh(x, routing, w, rules, local, parallel, check_vma=check_vma)
                 return jnp.sum(y * jnp.sin(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape))
 
             with jax.set_mesh(mesh):

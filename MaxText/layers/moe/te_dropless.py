@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe import ep, te_kernels
-from MaxText.layers.moe.ragged import combine, expert_ffn, mesh_layout, run_on_mesh
+from MaxText.layers.moe.layout import mesh_layout, run_on_mesh
+from MaxText.layers.moe.ragged import combine, expert_ffn
 from MaxText.layers.moe.router import Routing, route as shared_route
 
 ALIGN = te_kernels.ALIGN
