@@ -555,3 +555,26 @@ def test_top_k_by_sort_is_lax_top_k_ties_included():
         want_values, want_indices = jax.lax.top_k(x, k)
         np.testing.assert_array_equal(indices, want_indices)
         np.testing.assert_array_equal(values, want_values)
+
+
+def test_bias_update_finds_every_bias_by_type_not_by_path():
+    """models.update_moe_bias moves each bias by its own layer's load, wherever the modules holding it are and
+    whatever they are called (unrolled layers in index order, 2 before 10; a scanned [L, E] stack; the MTP
+    depths), and refuses a model whose biases and load rows do not pair up instead of skipping some."""
+    from MaxText.layers.models import update_moe_bias
+
+    e = 4
+    load = jnp.array([[0.0, 1, 2, 3], [3.0, 2, 1, 0], [1.0, 1, 1, 5]])  # one row per layer: distinct signs
+    step = np.sign(jnp.mean(load, axis=-1, keepdims=True) - load) * 0.5
+    unrolled = {"moe_layers": {f"layers_{i}": {"renamed_ffn": {"bias": jnp.zeros(e)}} for i in (0, 2, 10)},
+                "mtp": {"mtp_1": {"block": {"b": jnp.zeros(e)}}}}
+    new = update_moe_bias(unrolled, load, 0.5, mtp_load_KE=load[2:])
+    for row, name in enumerate(("layers_0", "layers_2", "layers_10")):
+        np.testing.assert_allclose(new["moe_layers"][name]["renamed_ffn"]["bias"], step[row])
+    np.testing.assert_allclose(new["mtp"]["mtp_1"]["block"]["b"], step[2])
+    scanned = {"decoder": {"stack": {"router_bias": jnp.zeros((3, e))}}}
+    np.testing.assert_allclose(update_moe_bias(scanned, load, 0.5)["decoder"]["stack"]["router_bias"], step)
+    with pytest.raises(ValueError, match="3 MoE routing bias rows but load_LE has 2"):
+        update_moe_bias(unrolled, load[:2], 0.5, mtp_load_KE=load[2:])
+    with pytest.raises(ValueError, match="mtp_load_KE has None"):
+        update_moe_bias(unrolled, load, 0.5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
@@ -60,18 +63,32 @@ class Transformer(nnx.Module):
 
 
 def update_moe_bias(aux: dict, load_LE, rate: float, mtp_load_KE=None) -> dict:
-    """Moves every MoE routing bias (in the pure-dict model state `aux`) by its layer's load: load_LE for
-    the decoder's MoE layers [L, E], mtp_load_KE for the Multi-Token Prediction depths [K, E]."""
-    new = dict(aux)
-    stack = aux.get("moe_layers")
-    if stack is not None and "layers" in stack:  # scanned: one bias array [L, E]
-        bias = stack["layers"]["moe"]["bias"]
-        new["moe_layers"] = {"layers": {"moe": {"bias": bias_update(bias, load_LE, rate)}}}
-    elif stack is not None:
-        new["moe_layers"] = {name: {"moe": {"bias": bias_update(layer["moe"]["bias"], load_LE[int(name.split("_")[1])],
-                                                                rate)}} for name, layer in stack.items()}
-    if "mtp" in aux:
-        new["mtp"] = {name: {"layer": {"moe": {"bias": bias_update(depth["layer"]["moe"]["bias"],
-                                                                   mtp_load_KE[int(name.split("_")[1]) - 1], rate)}}}
-                      for name, depth in aux["mtp"].items()}
-    return new
+    """Moves every MoE routing bias by its layer's load. `aux` is the model's MoeBias state as a pure dict
+    (state.py selects it by type, so every leaf is a bias, whatever the modules holding it are called):
+    the biases under `mtp` follow mtp_load_KE [K, E], the others load_LE [L, E]. A scanned stack keeps one
+    [L, E] bias that takes the whole load; unrolled layers keep one [E] bias each, which take the load's rows
+    in the order of the layer indices in their names (layers_2 before layers_10). Biases and load rows must
+    match one to one: a mismatch raises instead of leaving a bias unmoved."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(aux)
+    groups: dict[bool, list[int]] = {False: [], True: []}
+    for i, (path, _) in enumerate(flat):
+        groups[getattr(path[0], "key", None) == "mtp"].append(i)
+    new = [bias for _, bias in flat]
+    for is_mtp, members in groups.items():
+        if not members:
+            continue
+        load = mtp_load_KE if is_mtp else load_LE
+        name = "mtp_load_KE" if is_mtp else "load_LE"
+        if len(members) == 1 and flat[members[0]][1].ndim == 2:  # a scanned stack
+            rows = [load]
+        else:
+            members = sorted(members, key=lambda i: [int(n) for k in flat[i][0]
+                                                     for n in re.findall(r"\d+", str(getattr(k, "key", k)))])
+            rows = [None if load is None else load[j] for j in range(len(members))]
+        count = sum(b.shape[0] if b.ndim == 2 else 1 for b in (flat[i][1] for i in members))
+        if load is None or load.shape[0] != count:
+            raise ValueError(f"update_moe_bias: {count} MoE routing bias rows but {name} has "
+                             f"{None if load is None else load.shape[0]}")
+        for i, row in zip(members, rows):
+            new[i] = bias_update(flat[i][1], row, rate)
+    return jax.tree_util.tree_unflatten(treedef, new)
