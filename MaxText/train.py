@@ -151,11 +151,11 @@ def train(cfg, log=print, devices=None) -> dict | None:
     from MaxText.checkpointing import Checkpointer
     from MaxText.profiler import Profiler
     from MaxText.data import make_data, validate
-    from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
+    from MaxText.layers.moe.te_kernels import check_available, moe_runtime
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
-    check_available(cfg)  # te_dropless: TE and a suitable GPU, before anything is built
+    check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime checks too)
     validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
     if cfg.num_devices and cfg.num_devices != visible:
@@ -172,8 +172,7 @@ def train(cfg, log=print, devices=None) -> dict | None:
 
     spec = state_spec(cfg, mesh)
     checkpointer = Checkpointer(cfg, checkpoint_dir)
-    with jax.set_mesh(mesh), mesh_context(cfg):
-        bootstrap_ep(cfg, mesh, global_batch)
+    with moe_runtime(cfg, mesh, global_batch):
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:

@@ -24,21 +24,19 @@ from MaxText import metrics as metrics_lib, sharding
 from MaxText.benchmarks import emit
 from MaxText.config import ConfigError, global_batch_size, load_config
 from MaxText.data.synthetic import SyntheticData
-from MaxText.layers.moe.te_kernels import bootstrap_ep, check_available, mesh_context
+from MaxText.layers.moe.te_kernels import moe_runtime
 from MaxText.state import create_state, state_spec
 from MaxText.train_step import jit_train_step
 
 
 def measure(cfg, steps: int, warmup: int) -> dict:
     """One impl's row: compile seconds, temp bytes, seconds per step and what follows from them."""
-    check_available(cfg)
     mesh = sharding.create_mesh(cfg)
     devices = mesh.devices.size
     global_batch = global_batch_size(cfg, devices)
     sharding.check_batch(cfg, mesh, global_batch)
     spec = state_spec(cfg, mesh)
-    with jax.set_mesh(mesh), mesh_context(cfg):
-        bootstrap_ep(cfg, mesh, global_batch)
+    with moe_runtime(cfg, mesh, global_batch):
         batch_sharding = sharding.batch_sharding(mesh)
         batch = jax.make_array_from_process_local_data(
             batch_sharding, next(SyntheticData(cfg, global_batch, jax.process_index(), jax.process_count())))

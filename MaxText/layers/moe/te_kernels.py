@@ -261,6 +261,17 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
             te["ep"].ep_bootstrap(rank=jax.process_index(), **ep_bootstrap_args(cfg, shape, global_batch))
 
 
+@contextlib.contextmanager
+def moe_runtime(cfg, mesh, global_batch: int):
+    """The one context a train loop enters around everything it builds and runs: check_available (one line
+    when TE kernels cannot run here), jax.set_mesh(mesh), TE's mesh-axis names (mesh_context) and NCCL EP's
+    bootstrap (bootstrap_ep). For the pure-JAX impls it is jax.set_mesh alone."""
+    check_available(cfg)
+    with jax.set_mesh(mesh), mesh_context(cfg):
+        bootstrap_ep(cfg, mesh, global_batch)
+        yield
+
+
 def kernels(cfg) -> Kernels:
     """The kernel set cfg.te_kernels selects (check_available has run at start-up for `auto`)."""
     if cfg.te_kernels == "reference":
