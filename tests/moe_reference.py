@@ -49,17 +49,17 @@ def moe_reference(x_TD, weights_TK, experts_TK, wi_0_EDF, wi_1_EDF, wo_EFD, kept
     return y_TD
 
 
-def capacity_kept_reference(experts_GSK, num_experts: int, cap: int) -> np.ndarray:
+def capacity_kept_reference(experts_GLK, num_experts: int, cap: int) -> np.ndarray:
     """kept[g, s, j]: within each group, serve all first choices in token order, then all second choices,
     ...; a slot is kept while its expert holds fewer than `cap` kept slots."""
-    experts_GSK = np.asarray(experts_GSK)
-    g_count, s_count, k_count = experts_GSK.shape
-    kept = np.zeros(experts_GSK.shape, dtype=bool)
+    experts_GLK = np.asarray(experts_GLK)
+    g_count, s_count, k_count = experts_GLK.shape
+    kept = np.zeros(experts_GLK.shape, dtype=bool)
     for g in range(g_count):
         load = [0] * num_experts
         for j in range(k_count):
             for s in range(s_count):
-                e = int(experts_GSK[g, s, j])
+                e = int(experts_GLK[g, s, j])
                 if load[e] < cap:
                     kept[g, s, j] = True
                     load[e] += 1

@@ -242,20 +242,20 @@ def test_all_tokens_to_one_expert_capped(pair):
     x, _, w = make_inputs(num_experts, seed=31)
     routing = fixed_routing(np.tile(np.asarray(pair), (T, 1)), random_weights_TK(32), num_experts)
 
-    expected_GSK = np.zeros((B, S, K), bool)
-    expected_GSK[:, :cap, :] = True     # only the first C tokens of each sequence, for both choices
+    expected_GLK = np.zeros((B, S, K), bool)
+    expected_GLK[:, :cap, :] = True     # only the first C tokens of each sequence, for both choices
     np.testing.assert_array_equal(capacity_kept_reference(routing.experts_TK.reshape(B, S, K), num_experts, cap),
-                                  expected_GSK, err_msg=f"reference kept, {case}")
+                                  expected_GLK, err_msg=f"reference kept, {case}")
     _, _, kept = dense.dispatch_masks(routing.experts_TK.reshape(B, S, K), routing.weights_TK.reshape(B, S, K),
                                       num_experts, cap)
-    np.testing.assert_array_equal(np.asarray(kept), expected_GSK, err_msg=f"dispatch_masks kept, {case}")
+    np.testing.assert_array_equal(np.asarray(kept), expected_GLK, err_msg=f"dispatch_masks kept, {case}")
 
     y, stats = dense.moe_ffn(x, routing, w, cfg)
-    y_ref = moe_reference(x, routing.weights_TK, routing.experts_TK, *w, kept_TK=expected_GSK.reshape(T, K))
+    y_ref = moe_reference(x, routing.weights_TK, routing.experts_TK, *w, kept_TK=expected_GLK.reshape(T, K))
     assert_close(y, y_ref, f"forward, {case}")
-    y_GSD = np.asarray(y).reshape(B, S, D)
-    assert np.all(y_GSD[:, cap:] == 0), f"{case}: tokens past capacity must get exactly 0"
-    assert np.all(np.abs(y_GSD[:, :cap]).max(axis=-1) > 0), case
+    y_GLD = np.asarray(y).reshape(B, S, D)
+    assert np.all(y_GLD[:, cap:] == 0), f"{case}: tokens past capacity must get exactly 0"
+    assert np.all(np.abs(y_GLD[:, :cap]).max(axis=-1) > 0), case
     np.testing.assert_allclose(float(stats["dropped_fraction"]), 1.0 - cap / S, rtol=0, atol=1e-6,
                                err_msg=f"dropped_fraction, {case}")
 

@@ -1,6 +1,6 @@
 """`moe_impl=dense`: GShard-style capacity dispatch with one-hot einsums (the baseline that drops tokens).
 
-Capacity is counted per group of S tokens (one sequence, as in MaxText), with every token's first
+Capacity is counted per group of L tokens (one sequence, as in MaxText), with every token's first
 choice served before any second choice. capacity_factor=null means no cap: C = S, which holds every
 token because a token picks distinct experts. Dropped token-slots contribute nothing to the output.
 """
@@ -19,7 +19,7 @@ from MaxText.sharding import constrain
 
 
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
-    """Slots per expert per group: ceil(S*K/E * factor), at most S; S when uncapped."""
+    """Slots per expert per group of L tokens: ceil(L*K/E * factor), at most L; L when uncapped."""
     if capacity_factor is None:
         return group_size
     # Exact arithmetic: in floats 50 * 1.1 = 55.000000000000007 would ceil to 56.
@@ -27,19 +27,19 @@ def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> 
     return max(1, min(group_size, math.ceil(slots)))
 
 
-def dispatch_masks(experts_GSK, weights_GSK, num_experts: int, cap: int):
-    """One-hot dispatch [G,S,E,C] (0/1) and combine [G,S,E,C] (weights) tensors, plus the kept mask [G,S,K]."""
-    g, s, k = experts_GSK.shape
-    onehot_GSKE = jax.nn.one_hot(experts_GSK, num_experts, dtype=jnp.int32)
+def dispatch_masks(experts_GLK, weights_GLK, num_experts: int, cap: int):
+    """One-hot dispatch [G,L,E,C] (0/1) and combine [G,L,E,C] (weights) tensors, plus the kept mask [G,L,K]."""
+    g, s, k = experts_GLK.shape
+    onehot_GLKE = jax.nn.one_hot(experts_GLK, num_experts, dtype=jnp.int32)
     # Priority order: all first choices of the group, then all second choices, ...
-    onehot_GKSE = onehot_GSKE.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
-    position_GKSE = (jnp.cumsum(onehot_GKSE, axis=1) - 1).reshape(g, k, s, num_experts)
-    position_GSK = jnp.sum(position_GKSE.transpose(0, 2, 1, 3) * onehot_GSKE, axis=-1)
-    kept_GSK = position_GSK < cap
-    slot_GSKC = jax.nn.one_hot(jnp.where(kept_GSK, position_GSK, cap), cap, dtype=jnp.float32)
-    dispatch_GSEC = jnp.einsum("gske,gskc->gsec", onehot_GSKE.astype(jnp.float32), slot_GSKC)
-    combine_GSEC = jnp.einsum("gske,gskc,gsk->gsec", onehot_GSKE.astype(jnp.float32), slot_GSKC, weights_GSK)
-    return dispatch_GSEC, combine_GSEC, kept_GSK
+    onehot_GKLE = onehot_GLKE.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
+    position_GKLE = (jnp.cumsum(onehot_GKLE, axis=1) - 1).reshape(g, k, s, num_experts)
+    position_GLK = jnp.sum(position_GKLE.transpose(0, 2, 1, 3) * onehot_GLKE, axis=-1)
+    kept_GLK = position_GLK < cap
+    slot_GLKC = jax.nn.one_hot(jnp.where(kept_GLK, position_GLK, cap), cap, dtype=jnp.float32)
+    dispatch_GLEC = jnp.einsum("gske,gskc->gsec", onehot_GLKE.astype(jnp.float32), slot_GLKC)
+    combine_GLEC = jnp.einsum("gske,gskc,gsk->gsec", onehot_GLKE.astype(jnp.float32), slot_GLKC, weights_GLK)
+    return dispatch_GLEC, combine_GLEC, kept_GLK
 
 
 def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
@@ -51,10 +51,10 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     cap = capacity(s, num_experts, cfg.num_experts_per_tok, cfg.capacity_factor)
     dt = x_TD.dtype
     with jax.named_scope("moe_dispatch"):
-        dispatch, combine, kept_GSK = dispatch_masks(
+        dispatch, combine, kept_GLK = dispatch_masks(
             routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap)
-        x_GSD = x_TD.reshape(g, s, d)
-        x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GSD)
+        x_GLD = x_TD.reshape(g, s, d)
+        x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GLD)
         x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
     with jax.named_scope("moe_grouped_gemm"):  # batched per-expert matmuls over capacity buffers
         gate = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_0_EDF.astype(dt)), "moe_mlpwi_0")
@@ -63,6 +63,6 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
         out_EGCD = checkpoint_name(jnp.einsum("egcf,efd->egcd", h, w.wo_EFD.astype(dt)), "moe_mlpwo")
         out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
     with jax.named_scope("moe_combine"):
-        y_GSD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
-    dropped = 1.0 - jnp.mean(kept_GSK.astype(jnp.float32))
-    return y_GSD.reshape(t, d), {"dropped_fraction": dropped}
+        y_GLD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
+    dropped = 1.0 - jnp.mean(kept_GLK.astype(jnp.float32))
+    return y_GLD.reshape(t, d), {"dropped_fraction": dropped}

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 
 
 class Dispatch(NamedTuple):
-    x_GD: jax.Array             # rows received from all peers, [N * capacity, D]; padding rows are 0
-    local_expert_G: jax.Array   # int32 local expert of each received row; num_local_experts on padding
-    payload_G: jax.Array | None  # the optional per-slot payload (e.g. router weights), received alongside
+    x_RD: jax.Array             # rows received from all peers, [N * capacity, D]; padding rows are 0
+    local_expert_R: jax.Array   # int32 local expert of each received row; num_local_experts on padding
+    payload_R: jax.Array | None  # the optional per-slot payload (e.g. router weights), received alongside
     order_S: jax.Array          # the sort of this device's slots by expert
     counts_NN: jax.Array        # slots each device wanted to send each device, [src, dst]
     sent_NN: jax.Array          # what fitted in the buffers: min(counts, capacity)
@@ -88,22 +88,22 @@ def dispatch(x_SD, experts_S, *, num_experts: int, num_local_experts: int, axis_
                 output_offsets=_exclusive_cumsum(sent_NN, axis=0)[me], recv_sizes=sent_NN[:, me],
                 axis_name=axis_name, max_send=capacity)
     rows = n * capacity
-    x_GD = ragged_exchange(x_SD[order_S], jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype), **args)
-    local_G = ragged_exchange((experts_sorted % num_local_experts)[:, None],
+    x_RD = ragged_exchange(x_SD[order_S], jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype), **args)
+    local_R = ragged_exchange((experts_sorted % num_local_experts)[:, None],
                               jnp.full((rows, 1), num_local_experts, jnp.int32), **args)[:, 0]
-    payload_G = None if payload_S is None else ragged_exchange(
+    payload_R = None if payload_S is None else ragged_exchange(
         payload_S[order_S], jnp.zeros((rows,) + payload_S.shape[1:], payload_S.dtype), **args)
     overflow = jnp.sum(counts_N - sent_N)
-    return Dispatch(x_GD, local_G, payload_G, order_S, counts_NN, sent_NN, overflow, capacity)
+    return Dispatch(x_RD, local_R, payload_R, order_S, counts_NN, sent_NN, overflow, capacity)
 
 
 @jax.named_scope("moe_combine")
-def combine(out_GD, d: Dispatch, *, axis_name: str):
+def combine(out_RD, d: Dispatch, *, axis_name: str):
     """Returns each processed row to its slot, in the slots' original order [S, D]; overflowed slots are 0."""
     me = jax.lax.axis_index(axis_name)
     slots = d.order_S.shape[0]
     back = ragged_exchange(
-        out_GD, jnp.zeros((slots,) + out_GD.shape[1:], out_GD.dtype),
+        out_RD, jnp.zeros((slots,) + out_RD.shape[1:], out_RD.dtype),
         input_offsets=_exclusive_cumsum(d.sent_NN[:, me]), send_sizes=d.sent_NN[:, me],
         output_offsets=_exclusive_cumsum(d.counts_NN, axis=1)[:, me], recv_sizes=d.sent_NN[me],
         axis_name=axis_name, max_send=d.capacity)

@@ -30,12 +30,12 @@ def sort_by_expert(experts_S, num_experts: int):
 
 
 @jax.named_scope("moe_grouped_gemm")
-def expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_matmul):
+def expert_ffn(x_RD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_matmul):
     """SwiGLU of each contiguous expert group; rows past sum(group_sizes) come out as 0.
     `gemm(x_RD, w_EDF, group_sizes_E)` is the grouped GEMM (te_dropless passes its kernel set's)."""
-    dt = x_GD.dtype
-    gate = checkpoint_name(gemm(x_GD, wi_0_EDF.astype(dt), group_sizes_E), "moe_mlpwi_0")
-    up = checkpoint_name(gemm(x_GD, wi_1_EDF.astype(dt), group_sizes_E), "moe_mlpwi_1")
+    dt = x_RD.dtype
+    gate = checkpoint_name(gemm(x_RD, wi_0_EDF.astype(dt), group_sizes_E), "moe_mlpwi_0")
+    up = checkpoint_name(gemm(x_RD, wi_1_EDF.astype(dt), group_sizes_E), "moe_mlpwi_1")
     h = jax.nn.silu(gate) * up
     return checkpoint_name(gemm(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
 
@@ -45,8 +45,8 @@ def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, ro
     s // rows_per_input, so K slots of a token share its row without a repeated copy of x."""
     with jax.named_scope("moe_dispatch"):
         order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
-        x_GD = x_ND[order_S // rows_per_input]
-    out_SD = expert_ffn(x_GD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
+        x_RD = x_ND[order_S // rows_per_input]
+    out_SD = expert_ffn(x_RD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
     with jax.named_scope("moe_combine"):
         return out_SD[jnp.argsort(order_S)]
 
@@ -77,8 +77,8 @@ def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD
     dispatch = ep.dispatch(x_SD, experts_TK.reshape(-1), num_experts=num_experts, num_local_experts=num_local,
                            axis_name=axis_name, capacity=ep.peer_capacity(x_TD.shape[0], k, num_experts,
                                                                              num_local, buffer_factor))
-    out_GD = sorted_ffn(dispatch.x_GD, dispatch.local_expert_G, num_local, wi_0_EDF, wi_1_EDF, wo_EFD)
-    out_SD = ep.combine(out_GD, dispatch, axis_name=axis_name)
+    out_RD = sorted_ffn(dispatch.x_RD, dispatch.local_expert_R, num_local, wi_0_EDF, wi_1_EDF, wo_EFD)
+    out_SD = ep.combine(out_RD, dispatch, axis_name=axis_name)
     return combine(out_SD, weights_TK), dispatch.overflow
 
 

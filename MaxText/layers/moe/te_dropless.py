@@ -98,10 +98,10 @@ def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels
     d = ep.dispatch(jnp.repeat(x_TD, k, axis=0), experts_TK.reshape(-1), num_experts=num_experts,
                     num_local_experts=num_local, axis_name=axis_name, capacity=capacity,
                     payload_S=weights_TK.reshape(-1).astype(jnp.float32))
-    x_RD, sizes_E, rows_G = aligned_permute(d.x_GD, d.local_expert_G, num_local)
-    out_GD = unpermute(grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0, wi_1, wo), rows_G)
-    out_GD = (out_GD.astype(jnp.float32) * d.payload_G[:, None]).astype(out_GD.dtype)
-    out_SD = ep.combine(out_GD, d, axis_name=axis_name)
+    x_AD, sizes_E, rows_R = aligned_permute(d.x_RD, d.local_expert_R, num_local)
+    out_RD = unpermute(grouped_ffn(kernels, quantization, x_AD, sizes_E, wi_0, wi_1, wo), rows_R)
+    out_RD = (out_RD.astype(jnp.float32) * d.payload_R[:, None]).astype(out_RD.dtype)
+    out_SD = ep.combine(out_RD, d, axis_name=axis_name)
     return jnp.sum(out_SD.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype), d.overflow
 
 
