@@ -113,16 +113,17 @@ def test_impl_matches_reference_on_mesh(impl, mesh_name, references):
         assert float(stats.get("dropped_fraction", 0.0)) == 0.0, f"{case}: uncapped run dropped tokens"
 
 
-def _kept_with_peer_capacity(experts_TK, num_devices, cap):
+def _kept_with_peer_capacity(experts_TK, num_devices, cap, num_peers=None):
     """Which slots fit when every device sends at most `cap` slots to each expert device (E/N experts
-    each), serving its slots in order of (expert, token, choice): the ep.py contract, written as loops."""
+    each), serving its slots in order of (destination device, token, choice): the ep.py contract, as loops."""
     t_local = T // num_devices
-    e_local = E // num_devices
+    e_local = E // (num_peers or num_devices)  # experts per device of the `expert` axis
+    num_peers = num_peers or num_devices
     kept = np.zeros(experts_TK.shape, bool)
     for d in range(num_devices):
-        sent = [0] * num_devices
+        sent = [0] * num_peers
         slots = [(experts_TK[t, k], t, k) for t in range(d * t_local, (d + 1) * t_local) for k in range(K)]
-        for expert, t, k in sorted(slots):
+        for expert, t, k in sorted(slots, key=lambda slot: (slot[0] // e_local, slot[1], slot[2])):
             peer = expert // e_local
             if sent[peer] < cap:
                 sent[peer] += 1
@@ -152,6 +153,32 @@ def test_small_ragged_buffer_counts_overflow_and_drops_only_it(factor, impl):
     y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, factor {factor}: output")
     assert float(stats["overflow"]) == kept.size - kept.sum(), (float(stats["overflow"]), kept.size - kept.sum())
+
+
+@pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
+def test_overflow_spares_no_expert_for_its_id(impl):
+    """Two experts on one peer (fsdp 2 x expert 4: 2 local experts each), every token choosing both, a receive
+    buffer of half the demand: the overflow falls on each device's last tokens, so both experts keep the same
+    share. Served in expert-id order, as ep.py used to, expert 1 lost every slot, step after step."""
+    cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}",
+                      f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
+                      "ragged_buffer_factor=1.0", *MESHES["fsdp2_expert4"])
+    mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
+    x, w = _params()
+    rng = np.random.default_rng(5)
+    experts = np.stack([rng.permutation(2) for _ in range(T)]).astype(np.int32)  # experts 0 and 1, either order
+    weights = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    cap = int(np.ceil((T // 8) * K / 4))
+    kept = _kept_with_peer_capacity(experts, 8, cap, num_peers=4)
+    kept_per_expert = [int(kept[experts == e].sum()) for e in (0, 1)]
+    assert kept_per_expert[0] == kept_per_expert[1] > 0 and not kept.all(), kept_per_expert
+    with jax.set_mesh(mesh):
+        tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
+        args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
+        (_, (y, stats)), _ = _loss_and_outputs(impl, cfg, rules)(args[0], w, args[1], args[2])
+    y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}: output")
+    assert float(stats["overflow"]) == kept.size - kept.sum()
 
 
 def test_shared_experts_add_an_always_on_swiglu():

@@ -1,14 +1,17 @@
 """Expert-parallel dispatch and combine, inside shard_map over the mesh axis `expert`.
 
-Each of the N devices on the axis holds E/N experts. Dispatch sorts this device's token-slots by expert
-(hence by destination device) and sends each destination its contiguous chunk; the receiver regroups
-what arrives by local expert. Combine sends every processed row back to the slot it came from.
+Each of the N devices on the axis holds E/N experts. Dispatch sorts this device's token-slots by destination
+device, keeping their token order within each destination, and sends each destination its contiguous chunk;
+the receiver regroups what arrives by local expert. Combine sends every processed row back to the slot it
+came from.
 
 The exchange is `jax.lax.ragged_all_to_all` where the platform has it (GPU, TPU). XLA:CPU has no
 ragged all-to-all, so there the same exchange, with the same arguments and result, runs as one
 `all_to_all` of fixed per-peer buffers (`capacity` rows each). Buffers default to the dropless worst
 case; a smaller ragged_buffer_factor shrinks them, and the slots that do not fit are counted as
-overflow and contribute nothing: they are never dropped silently.
+overflow and contribute nothing: they are never dropped silently. Overflow order: the slots of a device's
+last tokens (in batch order) to a full peer, whichever of its experts they chose, so no expert is starved
+because of its id.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class Dispatch(NamedTuple):
     x_RD: jax.Array             # rows received from all peers, [N * capacity, D]; padding rows are 0
     local_expert_R: jax.Array   # int32 local expert of each received row; num_local_experts on padding
     payload_R: jax.Array | None  # the optional per-slot payload (e.g. router weights), received alongside
-    order_S: jax.Array          # the sort of this device's slots by expert
+    order_S: jax.Array          # the sort of this device's slots by destination device (stable: token order)
     counts_NN: jax.Array        # slots each device wanted to send each device, [src, dst]
     sent_NN: jax.Array          # what fitted in the buffers: min(counts, capacity)
     overflow: jax.Array         # int32 slots of this device that did not fit
@@ -78,7 +81,10 @@ def dispatch(x_SD, experts_S, *, num_experts: int, num_local_experts: int, axis_
     lives on device e // E_local)."""
     n = num_experts // num_local_experts
     me = jax.lax.axis_index(axis_name)
-    order_S = jnp.argsort(experts_S, stable=True)
+    # By destination, then slot (token-major) order: when a peer's buffer is full, the slots of this device's
+    # last tokens overflow, whichever of the peer's experts they chose. (Sorting by expert id would make the
+    # peer's highest-id experts lose every overflow, step after step.)
+    order_S = jnp.argsort(experts_S // num_local_experts, stable=True)
     experts_sorted = experts_S[order_S]
     counts_N = jnp.sum(jax.nn.one_hot(experts_sorted // num_local_experts, n, dtype=jnp.int32), axis=0)
     sent_N = jnp.minimum(counts_N, capacity)
