@@ -578,3 +578,62 @@ def test_bias_update_finds_every_bias_by_type_not_by_path():
         update_moe_bias(unrolled, load[:2], 0.5, mtp_load_KE=load[2:])
     with pytest.raises(ValueError, match="mtp_load_KE has None"):
         update_moe_bias(unrolled, load, 0.5)
+
+
+# ---------------------------------------------------------------------------------- padding is not load
+
+def test_padding_is_no_load_for_the_router_the_losses_or_the_bias():
+    """route(valid_T=...) over a batch with padded rows (eval pads after one pass) gives the load, balance
+    loss (global and per sequence), z-loss and entropy of the real rows alone; a partly padded sequence
+    counts its real tokens only. Before, padding was load: it moved the bias and the balance losses."""
+    length = 8
+    x = jax.random.normal(jax.random.key(7), (4 * length, 16))
+    gate = jax.random.normal(jax.random.key(8), (16, 8))
+    valid = np.ones(4 * length, bool)
+    valid[2 * length:3 * length] = False  # the third sequence is padding
+    for kind in ("global", "sequence"):
+        cfg = tiny_config("num_experts=8", "num_experts_per_tok=2", f"max_target_length={length}",
+                          f"load_balance_loss_type={kind}")
+        masked = router.route(x, gate, None, cfg, valid_T=jnp.asarray(valid))
+        real = router.route(x[valid], gate, None, cfg)
+        for field in ("lb_loss", "z_loss", "load_E", "entropy"):
+            np.testing.assert_allclose(getattr(masked, field), getattr(real, field), rtol=1e-6, err_msg=f"{kind} {field}")
+        np.testing.assert_array_equal(masked.experts_TK[valid], real.experts_TK)  # padding is still routed
+    # A partly padded sequence (global loss): its real tokens only.
+    partly = valid.copy()
+    partly[:3] = False
+    cfg = tiny_config("num_experts=8", "num_experts_per_tok=2", f"max_target_length={length}")
+    masked = router.route(x, gate, None, cfg, valid_T=jnp.asarray(partly))
+    real = router.route(x[partly], gate, None, cfg)
+    np.testing.assert_allclose(masked.load_E, real.load_E)
+    np.testing.assert_allclose(masked.lb_loss, real.lb_loss, rtol=1e-6)
+
+
+def test_padding_takes_no_dense_capacity():
+    """moe_impl=dense: padded slots take no capacity (a real token behind them keeps its place), are not
+    kept and do not count in dropped_fraction."""
+    from MaxText.layers.moe import dense
+
+    experts = jnp.zeros((1, 4, 1), jnp.int32)  # 4 tokens, all to expert 0, capacity 2
+    weights = jnp.ones((1, 4, 1))
+    valid = jnp.array([[False, False, True, True]])
+    _, _, kept = dense.dispatch_masks(experts, weights, 2, 2, valid)
+    np.testing.assert_array_equal(kept[0, :, 0], [False, False, True, True])
+    _, _, kept = dense.dispatch_masks(experts, weights, 2, 2)
+    np.testing.assert_array_equal(kept[0, :, 0], [True, True, False, False])  # without the mask: padding wins
+
+
+def test_the_moe_block_reads_padding_from_segment_ids():
+    """MoeBlock(x, segment_ids): rows of segment id 0 are no load in the stats the bias update reads."""
+    from flax import nnx
+
+    from MaxText.layers.moe.block import MoeBlock
+
+    cfg = tiny_config("moe_impl=ragged", "max_target_length=8", "routed_bias=true", "routed_score_func=sigmoid")
+    block = MoeBlock(cfg, dtype=jnp.float32, weight_dtype=jnp.float32, rules=None, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(9), (3, 8, cfg.base_emb_dim))
+    segments = jnp.ones((3, 8), jnp.int32).at[1].set(0)  # the middle row is padding
+    _, masked = block(x, segments)
+    _, real = block(x[jnp.array([0, 2])])
+    np.testing.assert_allclose(masked["load_E"], real["load_E"])
+    assert float(jnp.sum(masked["load_E"])) == 2 * 8 * cfg.num_experts_per_tok

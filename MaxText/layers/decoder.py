@@ -36,7 +36,7 @@ class DecoderLayer(nnx.Module):
         x_BLD = x_BLD + h
         normed = self.post_self_attention_norm(x_BLD)
         if self.is_moe:
-            h, stats = self.moe(normed)
+            h, stats = self.moe(normed, segment_ids_BL)
         else:
             h, stats = self.mlp(normed), {}
         return x_BLD + h, stats

@@ -51,12 +51,14 @@ class MoeBlock(nnx.Module):
         self.cfg = cfg
         self.rules = rules
 
-    def __call__(self, x_BLD):
-        """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean, IMPL_STATS."""
+    def __call__(self, x_BLD, segment_ids_BL=None):
+        """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean, IMPL_STATS.
+        Tokens with segment id 0 are padding: routed, but no load (see router.route)."""
         b, l, d = x_BLD.shape
         x_TD = x_BLD.reshape(b * l, d)
         bias = self.bias[...] if self.cfg.routed_bias else None
-        routing = ROUTERS.get(self.cfg.moe_impl, route)(x_TD, self.gate[...], bias, self.cfg)
+        valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
+        routing = ROUTERS.get(self.cfg.moe_impl, route)(x_TD, self.gate[...], bias, self.cfg, valid_T=valid_T)
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
         y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),

@@ -27,15 +27,20 @@ def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> 
     return max(1, min(group_size, math.ceil(slots)))
 
 
-def dispatch_masks(experts_GLK, weights_GLK, num_experts: int, cap: int):
-    """One-hot dispatch [G,L,E,C] (0/1) and combine [G,L,E,C] (weights) tensors, plus the kept mask [G,L,K]."""
+def dispatch_masks(experts_GLK, weights_GLK, num_experts: int, cap: int, valid_GL=None):
+    """One-hot dispatch [G,L,E,C] (0/1) and combine [G,L,E,C] (weights) tensors, plus the kept mask [G,L,K].
+    Padding (outside valid_GL) takes no capacity and is not kept."""
     g, s, k = experts_GLK.shape
     onehot_GLKE = jax.nn.one_hot(experts_GLK, num_experts, dtype=jnp.int32)
+    if valid_GL is not None:
+        onehot_GLKE = onehot_GLKE * valid_GL[:, :, None, None].astype(jnp.int32)
     # Priority order: all first choices of the group, then all second choices, ...
     onehot_GKLE = onehot_GLKE.transpose(0, 2, 1, 3).reshape(g, k * s, num_experts)
     position_GKLE = (jnp.cumsum(onehot_GKLE, axis=1) - 1).reshape(g, k, s, num_experts)
     position_GLK = jnp.sum(position_GKLE.transpose(0, 2, 1, 3) * onehot_GLKE, axis=-1)
     kept_GLK = position_GLK < cap
+    if valid_GL is not None:
+        kept_GLK = kept_GLK & valid_GL[:, :, None]
     slot_GLKC = jax.nn.one_hot(jnp.where(kept_GLK, position_GLK, cap), cap, dtype=jnp.float32)
     dispatch_GLEC = jnp.einsum("gske,gskc->gsec", onehot_GLKE.astype(jnp.float32), slot_GLKC)
     combine_GLEC = jnp.einsum("gske,gskc,gsk->gsec", onehot_GLKE.astype(jnp.float32), slot_GLKC, weights_GLK)
@@ -51,8 +56,9 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     cap = capacity(s, num_experts, cfg.num_experts_per_tok, cfg.capacity_factor)
     dt = x_TD.dtype
     with jax.named_scope("moe_dispatch"):
+        valid_GL = None if routing.valid_T is None else routing.valid_T.reshape(g, s)
         dispatch, combine, kept_GLK = dispatch_masks(
-            routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap)
+            routing.experts_TK.reshape(g, s, -1), routing.weights_TK.reshape(g, s, -1), num_experts, cap, valid_GL)
         x_GLD = x_TD.reshape(g, s, d)
         x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GLD)
         x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
@@ -64,5 +70,6 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
         out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
     with jax.named_scope("moe_combine"):
         y_GLD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
-    dropped = 1.0 - jnp.mean(kept_GLK.astype(jnp.float32))
+    real_slots = kept_GLK.size if valid_GL is None else jnp.sum(valid_GL) * kept_GLK.shape[-1]
+    dropped = 1.0 - jnp.sum(kept_GLK.astype(jnp.float32)) / jnp.maximum(real_slots, 1)
     return y_GLD.reshape(t, d), {"dropped_fraction": dropped}

@@ -20,8 +20,9 @@ class Routing(NamedTuple):
     experts_TK: jax.Array   # int32 chosen expert ids, distinct per token, best first (TE's router: by id)
     lb_loss: jax.Array      # scalar load-balance loss, unweighted (1.0 when perfectly balanced)
     z_loss: jax.Array       # scalar router z-loss mean(logsumexp(logits)^2), unweighted
-    load_E: jax.Array       # float32 token-slots assigned to each expert
+    load_E: jax.Array       # float32 token-slots assigned to each expert (real tokens only)
     entropy: jax.Array      # scalar mean entropy of the per-token expert distribution (nats)
+    valid_T: jax.Array | None = None  # bool: a real token, not padding (None: all are)
 
 
 def expert_scores(logits_TE, score_func: str):
@@ -60,24 +61,38 @@ def select_experts(scores_TE, bias_E, cfg):
     return weights_TK * cfg.routed_scaling_factor, experts_TK.astype(jnp.int32)
 
 
-def load_balance_loss(experts_TK, probs_TE, num_sequences: int = 1):
+def load_balance_loss(experts_TK, probs_TE, num_sequences: int = 1, valid_T=None):
     """Switch-Transformer loss E * sum_e f_e * p_e: f_e the fraction of token-slots sent to expert e, p_e
     its mean probability. Computed per sequence and averaged when num_sequences > 1 (DeepSeek-V3's
-    sequence-wise variant); 1.0 at perfectly uniform routing either way."""
+    sequence-wise variant); 1.0 at perfectly uniform routing either way. Tokens outside valid_T (padding)
+    count in neither, and a sequence of padding alone is left out of the average."""
     t, e = probs_TE.shape
-    onehot = jax.nn.one_hot(experts_TK, e, dtype=jnp.float32).sum(axis=1).reshape(num_sequences, t // num_sequences, e)
-    fraction_SE = onehot.sum(axis=1) / jnp.sum(onehot, axis=(1, 2))[:, None]
-    mean_prob_SE = probs_TE.reshape(num_sequences, t // num_sequences, e).mean(axis=1)
-    return e * jnp.mean(jnp.sum(fraction_SE * mean_prob_SE, axis=-1))
+    n = num_sequences
+    v_T = jnp.ones((t,), jnp.float32) if valid_T is None else valid_T.astype(jnp.float32)
+    onehot = (jax.nn.one_hot(experts_TK, e, dtype=jnp.float32).sum(axis=1) * v_T[:, None]).reshape(n, t // n, e)
+    fraction_SE = onehot.sum(axis=1) / jnp.maximum(jnp.sum(onehot, axis=(1, 2)), 1.0)[:, None]
+    tokens_S = v_T.reshape(n, t // n).sum(axis=1)
+    mean_prob_SE = (probs_TE * v_T[:, None]).reshape(n, t // n, e).sum(axis=1) / jnp.maximum(tokens_S, 1.0)[:, None]
+    real_S = (tokens_S > 0).astype(jnp.float32)
+    return e * jnp.sum(jnp.sum(fraction_SE * mean_prob_SE, axis=-1) * real_S) / jnp.maximum(jnp.sum(real_S), 1.0)
+
+
+def _mean(x_T, v_T):
+    """Mean of x over the real tokens (all of them when v_T is None)."""
+    if v_T is None:
+        return jnp.mean(x_T)
+    return jnp.sum(x_T * v_T) / jnp.maximum(jnp.sum(v_T), 1.0)
 
 
 @jax.named_scope("moe_route")
-def route(x_TD, gate_DE, bias_E, cfg, topk=None) -> Routing:
+def route(x_TD, gate_DE, bias_E, cfg, topk=None, valid_T=None) -> Routing:
     """Routes the T tokens of x (whole sequences of cfg.max_target_length tokens, in order).
 
     `topk(logits_TE, bias_E, cfg) -> (weights_TK, experts_TK)` replaces the selection (the te_dropless
     path passes Transformer Engine's fused router, which has these semantics); losses and statistics
-    are computed here either way.
+    are computed here either way, over the real tokens (valid_T; None: every token is real). Padding is
+    still routed (its outputs carry no loss weight) but is no load: not in load_E, so not in the bias
+    update, nor in the balance loss, the z-loss or the entropy.
     """
     logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
     scores_TE = expert_scores(logits_TE, cfg.routed_score_func)
@@ -89,11 +104,13 @@ def route(x_TD, gate_DE, bias_E, cfg, topk=None) -> Routing:
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
     t = x_TD.shape[0]
     per_sequence = cfg.load_balance_loss_type == "sequence" and t % cfg.max_target_length == 0
-    lb_loss = load_balance_loss(experts_TK, probs_TE, t // cfg.max_target_length if per_sequence else 1)
-    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    entropy = -jnp.mean(jnp.sum(probs_TE * jnp.log(jnp.maximum(probs_TE, 1e-30)), axis=-1))
-    load_E = jnp.sum(jax.nn.one_hot(experts_TK, gate_DE.shape[-1], dtype=jnp.float32), axis=(0, 1))
-    return Routing(weights_TK, experts_TK, lb_loss, z_loss, load_E, entropy)
+    lb_loss = load_balance_loss(experts_TK, probs_TE, t // cfg.max_target_length if per_sequence else 1, valid_T)
+    v_T = None if valid_T is None else valid_T.astype(jnp.float32)
+    z_loss = _mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)), v_T)
+    entropy = -_mean(jnp.sum(probs_TE * jnp.log(jnp.maximum(probs_TE, 1e-30)), axis=-1), v_T)
+    slots_TKE = jax.nn.one_hot(experts_TK, gate_DE.shape[-1], dtype=jnp.float32)
+    load_E = jnp.sum(slots_TKE if v_T is None else slots_TKE * v_T[:, None, None], axis=(0, 1))
+    return Routing(weights_TK, experts_TK, lb_loss, z_loss, load_E, entropy, valid_T)
 
 
 def bias_update(bias_E, load_E, rate: float):

@@ -31,9 +31,9 @@ ALIGN = te_kernels.ALIGN
 
 
 @jax.named_scope("moe_route")
-def route(x_TD, gate_DE, bias_E, cfg) -> Routing:
+def route(x_TD, gate_DE, bias_E, cfg, valid_T=None) -> Routing:
     """The shared router with the kernel set's top-k (TE's fused router on GPU)."""
-    return shared_route(x_TD, gate_DE, bias_E, cfg, topk=te_kernels.kernels(cfg).topk)
+    return shared_route(x_TD, gate_DE, bias_E, cfg, topk=te_kernels.kernels(cfg).topk, valid_T=valid_T)
 
 
 def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int:
