@@ -6,7 +6,7 @@ Reads <run_dir>/metrics/metrics.jsonl and writes PNG plots beside it (or into --
   throughput.png   tokens/s/device; TFLOP/s/device with MFU on a second axis (when the device's peak is known)
   expert_load.png  per MoE layer a heatmap (x = step, y = expert) of each expert's load over the layer's mean
                    load, on a log colour scale centred at 1 (balanced); below, max/mean load per layer
-  moe_balance.png  per MoE layer: dropped fraction, overflowed slots, router entropy
+  moe_balance.png  per MoE layer (MTP depths last): dropped fraction, dropped slots, router entropy; eval as markers
 
 A plot whose data the run did not log is skipped with a note (a dense model has no expert load). A resumed run
 appends to the same file, so a step can appear more than once (the steps redone after the last checkpoint):
@@ -77,6 +77,8 @@ def layer_series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]
     if len(width) > 1:
         raise ReportError(f"{key} changes its number of layers within the run ({sorted(width)}); were two "
                           "different models logged into one run directory?")
+    if not rows:
+        return steps, np.zeros((0, 0))
     values = np.asarray([r[key] for r in rows], dtype=np.float64).reshape(len(rows), -1)
     return steps, values.T
 
@@ -240,13 +242,14 @@ def plot_expert_load(train: list[dict], path: str) -> str:
 
 
 BALANCE_KEYS = (("moe_dropped_fraction", "dropped fraction of token-slots"),
-                ("moe_overflow", "overflowed token-slots"),
+                ("moe_overflow", "dropped token-slots"),
                 ("moe_router_entropy", "router entropy (nats)"))
 
 
-def plot_moe_balance(train: list[dict], path: str) -> str | None:
-    """Dropped fraction (dense), overflow (ragged, te_dropless) and router entropy per MoE layer; None when
-    none of them was logged."""
+def plot_moe_balance(train: list[dict], path: str, evals: list[dict] = ()) -> str | None:
+    """Dropped fraction, dropped (overflowed) slots and router entropy per MoE layer (the MTP depths' layers
+    last), every impl alike; evaluation's dropped fraction and slots as black markers. None when none of
+    them was logged."""
     present = [(key, label) for key, label in BALANCE_KEYS if any(isinstance(r.get(key), list) for r in train)]
     if not present:
         return None
@@ -254,6 +257,14 @@ def plot_moe_balance(train: list[dict], path: str) -> str | None:
     for ax, (key, label) in zip(axes[:, 0], present):
         steps, values_LS = layer_series(train, key)
         _plot_layers(ax, steps, values_LS, label)
+        eval_steps, eval_LS = layer_series(list(evals), "eval_" + key)
+        for layer_values in eval_LS:
+            ax.plot(eval_steps, layer_values, "o", color="black", markersize=3)
+        if len(eval_steps):
+            marker = ax.plot([], [], "o", color="black", markersize=3, label="eval (each layer)")[0]
+            layers = values_LS.shape[0]  # a legend of the layers too when _plot_layers gave them one
+            ax.legend(**({"ncols": min(layers + 1, 4)} if layers <= 8 else {"handles": [marker]}), fontsize="small")
+        values_LS = np.concatenate([values_LS, eval_LS], axis=1) if eval_LS.size else values_LS
         ax.set_title(key + (" (zero at every step)" if not np.any(values_LS) else ""), fontsize="medium")
         if key != "moe_router_entropy":
             ax.set_ylim(bottom=0)
@@ -284,7 +295,7 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
         log("note: no throughput logged; throughput.png skipped")
     if len(expert_load_matrix(train)[0]):
         written.append(plot_expert_load(train, os.path.join(out_dir, "expert_load.png")))
-        balance = plot_moe_balance(train, os.path.join(out_dir, "moe_balance.png"))
+        balance = plot_moe_balance(train, os.path.join(out_dir, "moe_balance.png"), evals)
         if balance:
             written.append(balance)
     else:

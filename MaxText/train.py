@@ -137,7 +137,12 @@ class Evaluator:
         sums = jax.device_get([self.step(state, batch) for batch in self.batches])
         loss_sum, tokens = sum(s["loss_sum"] for s in sums), sum(s["tokens"] for s in sums)
         loss = float(loss_sum / max(tokens, 1.0))
-        return {"eval_loss": loss, "eval_perplexity": float(np.exp(loss)), "eval_tokens": int(tokens)}
+        record = {"eval_loss": loss, "eval_perplexity": float(np.exp(loss)), "eval_tokens": int(tokens)}
+        if "moe_overflow" in sums[0]:  # per MoE layer, over all eval batches
+            overflow = np.sum([s["moe_overflow"] for s in sums], axis=0)
+            slots = max(float(sum(s["moe_slots"] for s in sums)), 1.0)
+            record.update(eval_moe_overflow=overflow.tolist(), eval_moe_dropped_fraction=(overflow / slots).tolist())
+        return record
 
 
 def train(cfg, log=print, devices=None) -> dict | None:
@@ -238,7 +243,10 @@ def train(cfg, log=print, devices=None) -> dict | None:
                         settle()  # the step's own record first
                         record = writer.write(step + 1, evaluate(state))
                         progress.write(f"eval at step {step + 1}: loss {record['eval_loss']:.4f}, perplexity "
-                                       f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens")
+                                       f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens"
+                                       + (f", dropped {np.mean(record['eval_moe_dropped_fraction']):.3f}, overflow "
+                                          f"{np.sum(record['eval_moe_overflow']):.0f}"
+                                          if "eval_moe_overflow" in record else ""))
                     if stopping:
                         log(f"SIGTERM: stopped after step {step + 1}")
                         break

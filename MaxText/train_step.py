@@ -79,9 +79,18 @@ def train_step(state, batch, *, graphdef, cfg, tx):
     }
     if cfg.mtp_num_layers:
         metrics["mtp_loss"] = aux["mtp_loss"]
-    if aux["moe"]:
-        metrics.update(moe_metrics(aux["moe"]))
+    if router_layers(aux):
+        metrics.update(moe_metrics(router_layers(aux)))
     return new_state, metrics
+
+
+def router_layers(aux) -> dict:
+    """Every MoE layer's stats stacked on one leading axis: the decoder's MoE layers, then the Multi-Token
+    Prediction depths' (their routers drop and overflow like any other); {} for a dense model."""
+    parts = [s for s in (aux["moe"], aux["mtp"]) if s]
+    if len(parts) < 2:
+        return parts[0] if parts else {}
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), *parts)
 
 
 def jit_train_step(cfg, spec, batch_sharding):
@@ -93,13 +102,18 @@ def jit_train_step(cfg, spec, batch_sharding):
 
 def eval_step(state, batch, *, graphdef, cfg):
     """The summed cross-entropy of a batch's real target tokens and their number (so that batches with
-    different amounts of padding average right); no router or MTP losses."""
+    different amounts of padding average right); no router or MTP losses. With MoE layers, also the
+    token-slots each dropped (`moe_overflow`, per layer) and the real slots routed (`moe_slots`)."""
     model = _model(graphdef, state["params"], state.get("nnx_aux"))
-    h_BLD, _ = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+    h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
     tokens = jnp.sum(weights_BL)
     mean = cross_entropy(h_BLD, batch["targets"], weights_BL, model.logits, cfg.num_vocab_tiling)
-    return {"loss_sum": mean * jnp.maximum(tokens, 1.0), "tokens": tokens}
+    out = {"loss_sum": mean * jnp.maximum(tokens, 1.0), "tokens": tokens}
+    if moe_stats:
+        out["moe_overflow"] = moe_stats["overflow"]
+        out["moe_slots"] = jnp.sum(batch["inputs_segmentation"] != 0).astype(jnp.float32) * cfg.num_experts_per_tok
+    return out
 
 
 def jit_eval_step(cfg, spec, batch_sharding):

@@ -35,3 +35,28 @@ def test_deepseek3_tiny_losses_agree_across_impls(impl, tmp_path, dense):
                                    err_msg=f"{impl} {key}")
     assert records[-1]["moe_bias_abs_mean"][0] > 0, "the routing bias must move"
     assert max(max(r["moe_overflow"]) for r in records) == 0
+
+
+def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
+    """ragged with receive buffers at half the balanced load: the slots that do not fit are counted in every
+    MoE layer, the MTP depth's included (its stats used to reach only the losses and the bias), with one
+    meaning across impls (dropped_fraction = dropped slots / real slots; ragged used to report 0 beside a
+    positive overflow), and in evaluation too (eval_step used to discard them)."""
+    cfg = load_config(["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=32", "steps=2",
+                       "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
+                       "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
+                       "dataset_type=synthetic", "eval_interval=2", "eval_steps=1", "moe_impl=ragged",
+                       "ragged_buffer_factor=0.5", f"base_output_directory={tmp_path}", "run_name=drops"])
+    records = train_records(cfg)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    slots = 8 * 32 * cfg.num_experts_per_tok  # tokens of the global batch x K
+    for r in train:
+        overflow, dropped = np.asarray(r["moe_overflow"]), np.asarray(r["moe_dropped_fraction"])
+        assert len(overflow) == 3 + 1, "three decoder MoE layers, then the MTP depth"
+        assert overflow[-1] > 0 and np.all(overflow > 0), overflow
+        np.testing.assert_allclose(dropped, overflow / slots, rtol=1e-6)
+    assert len(evals) == 1 and len(evals[0]["eval_moe_overflow"]) == 3, evals
+    np.testing.assert_allclose(evals[0]["eval_moe_dropped_fraction"], np.asarray(evals[0]["eval_moe_overflow"]) / slots,
+                               rtol=1e-6)
+    assert min(evals[0]["eval_moe_overflow"]) > 0

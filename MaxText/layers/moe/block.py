@@ -26,11 +26,12 @@ class MoeBias(nnx.Variable):
     moves it by routed_bias_update_rate from the measured load, and checkpoints save it."""
 
 
-# moe_impl -> moe_ffn(x_TD, routing, ExpertWeights, cfg, rules) -> (y_TD, stats with IMPL_STATS keys)
+# moe_impl -> moe_ffn(x_TD, routing, ExpertWeights, cfg, rules) -> (y_TD, {"overflow": real token-slots that got
+# no expert output, over all devices}): dense's capacity drops, the dropless impls' EP buffer overflow.
 MOE_FFNS = {"dense": dense.moe_ffn, "ragged": ragged.moe_ffn, "te_dropless": te_dropless.moe_ffn}
 # moe_impl -> route(x_TD, gate_DE, bias_E, cfg); te_dropless selects experts with its kernel set's router.
 ROUTERS = {"te_dropless": te_dropless.route}
-IMPL_STATS = ("dropped_fraction", "overflow")
+IMPL_STATS = ("dropped_fraction", "overflow")  # overflow / real slots, and overflow, in every impl
 
 
 class MoeBlock(nnx.Module):
@@ -68,5 +69,7 @@ class MoeBlock(nnx.Module):
         stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
                  "entropy": routing.entropy,
                  "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
-        stats.update({k: jnp.asarray(impl_stats.get(k, 0.0), jnp.float32) for k in IMPL_STATS})
+        overflow = jnp.asarray(impl_stats["overflow"], jnp.float32)
+        slots = (b * l if valid_T is None else jnp.sum(valid_T)) * self.cfg.num_experts_per_tok
+        stats.update(overflow=overflow, dropped_fraction=overflow / jnp.maximum(slots, 1))
         return y_BLD, stats

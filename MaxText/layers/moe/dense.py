@@ -48,7 +48,8 @@ def dispatch_masks(experts_GLK, weights_GLK, num_experts: int, cap: int, valid_G
 
 
 def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
-    """y_TD = sum over kept (token, expert) slots of weight * SwiGLU_expert(x). Returns (y_TD, stats)."""
+    """y_TD = sum over kept (token, expert) slots of weight * SwiGLU_expert(x). Returns (y_TD, {"overflow": real
+    slots past their expert's capacity})."""
     t, d = x_TD.shape
     num_experts = w.wi_0_EDF.shape[0]
     s = cfg.max_target_length if t % cfg.max_target_length == 0 else t
@@ -71,5 +72,4 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     with jax.named_scope("moe_combine"):
         y_GLD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
     real_slots = kept_GLK.size if valid_GL is None else jnp.sum(valid_GL) * kept_GLK.shape[-1]
-    dropped = 1.0 - jnp.sum(kept_GLK.astype(jnp.float32)) / jnp.maximum(real_slots, 1)
-    return y_GLD.reshape(t, d), {"dropped_fraction": dropped}
+    return y_GLD.reshape(t, d), {"overflow": real_slots - jnp.sum(kept_GLK.astype(jnp.float32))}
