@@ -201,3 +201,64 @@ def test_shared_experts_add_an_always_on_swiglu():
     routed = moe_reference(x_TD, routing.weights_TK, routing.experts_TK, block.wi_0[...], block.wi_1[...], block.wo[...])
     want = routed + swiglu(x_TD, shared.wi_0[...], shared.wi_1[...], shared.wo[...])
     np.testing.assert_allclose(y_BLD.reshape(-1, D), want, rtol=2e-5, atol=2e-5)
+
+
+def _relative_close(got, want, tolerance, message):
+    """|got - want| within `tolerance` of want's largest magnitude, element by element (bf16 rounding is
+    relative to the values a sum adds up, not to each small result)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.max(np.abs(want))) or 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * scale, err_msg=message)
+
+
+@pytest.mark.parametrize("impl", ["dense", "ragged", "te_dropless"])
+@pytest.mark.parametrize("mesh_name", ["none", "fsdp2_expert4"])
+def test_impl_matches_reference_in_bfloat16(impl, mesh_name):
+    """bf16 compute (x in bf16, float32 master weights and router weights, as the model runs): every impl
+    within bf16 rounding of the float32 loop reference on the same (bf16-rounded) inputs, forward and
+    gradients. The impls accumulate alike: grouped GEMMs in float32, rounded once to bf16; the
+    router-weighted sum of a token's K outputs in float32 (dense used to weight and sum in bf16)."""
+    cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}",
+                      f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}", "dtype=bfloat16",
+                      *(MESHES[mesh_name] or []))
+    x, w = _params()
+    x = x.astype(jnp.bfloat16)
+    mesh, rules = (None, None) if MESHES[mesh_name] is None else (sharding.create_mesh(cfg), sharding.axis_rules(cfg))
+    step = _loss_and_outputs(impl, cfg, rules)
+    for name in ("uniform", "all_to_one"):
+        experts, weights = CASES[name]
+        if mesh is None:
+            (_, (y, _)), grads = step(x, w, experts, weights)
+        else:
+            with jax.set_mesh(mesh):
+                tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
+                args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
+                (_, (y, _)), grads = step(args[0], w, args[1], args[2])
+        y_ref, grads_ref = _reference(x.astype(jnp.float32), w, experts, weights)
+        case = f"{impl} on {mesh_name}, bf16, routing {name}"
+        assert y.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16, case
+        _relative_close(y, y_ref, 2e-2, f"{case}: output")
+        for label, got, want in (("x", grads[0], grads_ref[0]), ("weights", grads[2], grads_ref[2])):
+            _relative_close(got, want, 3e-2, f"{case}: d/d{label}")
+        for label in ExpertWeights._fields:
+            assert getattr(grads[1], label).dtype == jnp.float32, f"{case}: d/d{label} in the master weights' dtype"
+            _relative_close(getattr(grads[1], label), getattr(grads_ref[1], label), 3e-2, f"{case}: d/d{label}")
+
+
+def test_impls_accumulate_alike_in_bfloat16():
+    """Same float32 accumulation, one rounding to bf16 at the same places: on CPU the three impls' bf16 forward
+    outputs are bit for bit the same (dense weighted and summed in bf16 before: a third of the outputs
+    differed from ragged's, by up to 2 ulps)."""
+    x, w = _params()
+    x = x.astype(jnp.bfloat16)
+    experts, weights = CASES["uniform"]
+    outputs = {}
+    for impl in ("dense", "ragged", "te_dropless"):
+        cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}",
+                          f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}", "dtype=bfloat16")
+        (_, (y, _)), _ = _loss_and_outputs(impl, cfg, None)(x, w, experts, weights)
+        outputs[impl] = np.asarray(y, np.float32)
+    exact = jax.default_backend() == "cpu"  # other backends' grouped GEMM kernels may order the sums differently
+    for impl in ("ragged", "te_dropless"):
+        np.testing.assert_allclose(outputs["dense"], outputs[impl], rtol=0 if exact else 2 ** -7, atol=0,
+                                   err_msg=f"dense vs {impl}")

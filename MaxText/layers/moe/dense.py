@@ -63,13 +63,16 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
         x_GLD = x_TD.reshape(g, s, d)
         x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), x_GLD)
         x_EGCD = constrain(x_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
+    def matmul(spec, a, b):  # accumulated in float32, rounded once to the compute dtype (as gmm.py's)
+        return jnp.einsum(spec, a, b.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+
     with jax.named_scope("moe_grouped_gemm"):  # batched per-expert matmuls over capacity buffers
-        gate = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_0_EDF.astype(dt)), "moe_mlpwi_0")
-        up = checkpoint_name(jnp.einsum("egcd,edf->egcf", x_EGCD, w.wi_1_EDF.astype(dt)), "moe_mlpwi_1")
+        gate = checkpoint_name(matmul("egcd,edf->egcf", x_EGCD, w.wi_0_EDF), "moe_mlpwi_0")
+        up = checkpoint_name(matmul("egcd,edf->egcf", x_EGCD, w.wi_1_EDF), "moe_mlpwi_1")
         h = jax.nn.silu(gate) * up
-        out_EGCD = checkpoint_name(jnp.einsum("egcf,efd->egcd", h, w.wo_EFD.astype(dt)), "moe_mlpwo")
+        out_EGCD = checkpoint_name(matmul("egcf,efd->egcd", h, w.wo_EFD), "moe_mlpwo")
         out_EGCD = constrain(out_EGCD, ("exp", "activation_batch", None, "activation_embed"), rules)
-    with jax.named_scope("moe_combine"):
-        y_GLD = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out_EGCD)
+    with jax.named_scope("moe_combine"):  # the router-weighted sum in float32, as ragged's (float32 weights)
+        y_GLD = jnp.einsum("gsec,egcd->gsd", combine, out_EGCD.astype(jnp.float32)).astype(dt)
     real_slots = kept_GLK.size if valid_GL is None else jnp.sum(valid_GL) * kept_GLK.shape[-1]
     return y_GLD.reshape(t, d), {"overflow": real_slots - jnp.sum(kept_GLK.astype(jnp.float32))}
