@@ -69,7 +69,7 @@ REMAT_LOCATIONS = ("remat", "device", "offload")
 REMAT_TENSOR_NAMES = (
     "query_proj", "key_proj", "value_proj", "out_proj", "mla_q", "mla_kv",
     "mlpwi_0", "mlpwi_1", "mlpwo",
-    "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
+    "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "moe_dispatch",
 )
 DTYPES = ("float32", "bfloat16", "float16")
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")

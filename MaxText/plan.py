@@ -169,7 +169,8 @@ def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
 
 def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
     d, f = cfg.base_emb_dim, width // tp
-    named = {"mlpwi_0": t * f * a, "mlpwi_1": t * f * a, "mlpwo": t * d * a}
+    # mlpwo is not among them: its output only joins the residual stream, which no backward reads.
+    named = {"mlpwi_0": t * f * a, "mlpwi_1": t * f * a}
     return LayerTensors(named, t * f * a + t * d * a, 2 * t * f * a)  # silu(gate) * up, the norm
 
 
@@ -205,8 +206,13 @@ def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
     r = moe_rows(cfg, t, ep)
     named = {"moe_mlpwi_0": r * f * a, "moe_mlpwi_1": r * f * a, "moe_mlpwo": r * d * a}
     # router scores (float32), the K copies of each token going out and coming back, the buffer in
-    # expert order, silu(gate) * up, the norm
-    other = 3 * t * cfg.num_experts * 4 + 2 * t * k * d * a + r * d * a + r * f * a + t * d * a
+    # expert order (under expert parallelism: the rows dispatch delivered, `moe_dispatch`), silu(gate) * up,
+    # the norm
+    other = 3 * t * cfg.num_experts * 4 + 2 * t * k * d * a + r * f * a + t * d * a
+    if ep > 1 and cfg.moe_impl != "dense":
+        named["moe_dispatch"] = r * d * a
+    else:
+        other += r * d * a
     if cfg.moe_impl == "dense":  # float32 one-hot dispatch and combine tensors [T, E, C]
         other += 2 * r * cfg.max_target_length * 4
     working = 2 * r * d * a

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 class Dispatch(NamedTuple):
@@ -94,7 +95,8 @@ def dispatch(x_SD, experts_S, *, num_experts: int, num_local_experts: int, axis_
                 output_offsets=_exclusive_cumsum(sent_NN, axis=0)[me], recv_sizes=sent_NN[:, me],
                 axis_name=axis_name, max_send=capacity)
     rows = n * capacity
-    x_RD = ragged_exchange(x_SD[order_S], jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype), **args)
+    x_RD = checkpoint_name(ragged_exchange(x_SD[order_S], jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype), **args),
+                           "moe_dispatch")
     local_R = ragged_exchange((experts_sorted % num_local_experts)[:, None],
                               jnp.full((rows, 1), num_local_experts, jnp.int32), **args)[:, 0]
     payload_R = None if payload_S is None else ragged_exchange(

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe import ep, te_kernels
@@ -123,6 +124,7 @@ def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
     with jax.named_scope("moe_dispatch"):
         recv_PRD, recv_w_PR, handle, counts_PE, total_P1 = te["ep"].ep_dispatch(
             ep_cfg, experts_TK, x_bf16_TD, weights_TK, recv_cap)
+        recv_PRD = checkpoint_name(recv_PRD, "moe_dispatch")
 
     def per_rank(recv, counts, recv_w, wi_0, wi_1, wo):
         # NCCL EP zero-fills the padding between expert groups but leaves the rows past the last group
