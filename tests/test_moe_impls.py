@@ -65,6 +65,16 @@ def _loss_and_outputs(impl, cfg, rules):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3), has_aux=True))
 
 
+def _run(step, mesh, rules, x, w, experts, weights):
+    """step(x, w, experts, weights), with the token arrays split over the batch axes when there is a mesh."""
+    if mesh is None:
+        return step(x, w, experts, weights)
+    with jax.set_mesh(mesh):
+        tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
+        x, experts, weights = (jax.device_put(a, tokens) for a in (x, experts, weights))
+        return step(x, w, experts, weights)
+
+
 def _reference(x, w, experts, weights):
     def f(x, w, weights):
         y = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
@@ -94,13 +104,7 @@ def test_impl_matches_reference_on_mesh(impl, mesh_name, references):
         mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
     step = _loss_and_outputs(impl, cfg, rules)
     for name, (experts, weights) in CASES.items():
-        if mesh is None:
-            (_, (y, stats)), grads = step(x, w, experts, weights)
-        else:
-            with jax.set_mesh(mesh):
-                tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
-                args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
-                (_, (y, stats)), grads = step(args[0], w, args[1], args[2])
+        (_, (y, stats)), grads = _run(step, mesh, rules, x, w, experts, weights)
         y_ref, grads_ref = references[name]
         case = f"{impl} on {mesh_name}, routing {name}"
         np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{case}: output")
@@ -146,10 +150,7 @@ def test_small_ragged_buffer_counts_overflow_and_drops_only_it(factor, impl):
     cap = int(np.ceil((T // 8) * K / 8 * factor))
     kept = _kept_with_peer_capacity(experts, 8, cap)
     assert 0 < kept.sum() < kept.size, "the case must overflow some slots and keep others"
-    with jax.set_mesh(mesh):
-        tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
-        args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
-        (_, (y, stats)), _ = _loss_and_outputs(impl, cfg, rules)(args[0], w, args[1], args[2])
+    (_, (y, stats)), _ = _run(_loss_and_outputs(impl, cfg, rules), mesh, rules, x, w, experts, weights)
     y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, factor {factor}: output")
     assert float(stats["overflow"]) == kept.size - kept.sum(), (float(stats["overflow"]), kept.size - kept.sum())
@@ -172,10 +173,7 @@ def test_overflow_spares_no_expert_for_its_id(impl):
     kept = _kept_with_peer_capacity(experts, 8, cap, num_peers=4)
     kept_per_expert = [int(kept[experts == e].sum()) for e in (0, 1)]
     assert kept_per_expert[0] == kept_per_expert[1] > 0 and not kept.all(), kept_per_expert
-    with jax.set_mesh(mesh):
-        tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
-        args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
-        (_, (y, stats)), _ = _loss_and_outputs(impl, cfg, rules)(args[0], w, args[1], args[2])
+    (_, (y, stats)), _ = _run(_loss_and_outputs(impl, cfg, rules), mesh, rules, x, w, experts, weights)
     y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}: output")
     assert float(stats["overflow"]) == kept.size - kept.sum()
@@ -227,13 +225,7 @@ def test_impl_matches_reference_in_bfloat16(impl, mesh_name):
     step = _loss_and_outputs(impl, cfg, rules)
     for name in ("uniform", "all_to_one"):
         experts, weights = CASES[name]
-        if mesh is None:
-            (_, (y, _)), grads = step(x, w, experts, weights)
-        else:
-            with jax.set_mesh(mesh):
-                tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
-                args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
-                (_, (y, _)), grads = step(args[0], w, args[1], args[2])
+        (_, (y, _)), grads = _run(step, mesh, rules, x, w, experts, weights)
         y_ref, grads_ref = _reference(x.astype(jnp.float32), w, experts, weights)
         case = f"{impl} on {mesh_name}, bf16, routing {name}"
         assert y.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16, case
