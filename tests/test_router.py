@@ -536,7 +536,7 @@ def test_router_configs_that_load():
     (["sparse_matmul=false"], "dense"),
     (["sparse_matmul=true", "moe_impl=ragged"], "ragged"),
     (["te_moe_block=true", "moe_impl=te_dropless"], "te_dropless"),
-    (["te_moe_block=false"], "dense"),
+    (["te_moe_block=false"], "ragged"),  # not TE: the default, dropless (MaxText's default is sparse_matmul=true)
     (["moe_impl=ragged"], "ragged"),
 ])
 def test_upstream_moe_spellings(overrides, impl):
