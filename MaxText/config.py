@@ -16,6 +16,7 @@ import difflib
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,8 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
 # (xla/pjrt/gpu/gpu_helpers.cc). host_memory_limit_gb sets it.
 HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+# run_name and model_name: one path component, never a way out of its directory.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 XLA_DEFAULT_HOST_POOL_GB = 64
 MOE_IMPLS = ("dense", "ragged", "te_dropless")
 REMAT_POLICIES = ("full", "minimal", "none", "custom")
@@ -225,7 +228,14 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
         for _, layer in chain:
             model_name = layer.get("model_name", model_name)
     if model_name not in (None, "", "null"):
-        model_path = os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
+        model_name = str(model_name)
+        explicit = model_name.endswith((".yml", ".yaml"))  # a model file anywhere, given by its path
+        if not explicit and not PLAIN_NAME.fullmatch(model_name):
+            raise ConfigError(f"model_name={_clip(model_name)} is not a name under configs/models/ (letters, digits, "
+                              "'.', '_', '-'); give a .yml path for a model file elsewhere")
+        model_path = model_name if explicit else os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
+        if explicit and not os.path.isfile(model_path):
+            raise ConfigError(f"model_name={_clip(model_name)}: no such file")
         if not os.path.isfile(model_path):
             models_dir = os.path.join(CONFIG_DIR, "models")
             known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) \
@@ -445,6 +455,19 @@ def check_logical_axis_rules(cfg) -> None:
                               "too: keep 'expert' in the activation_batch rule of logical_axis_rules")
 
 
+def check_run_name(cfg) -> None:
+    """run_name is one plain path component under base_output_directory."""
+    if cfg.run_name is not None and (not PLAIN_NAME.fullmatch(str(cfg.run_name)) or ".." in str(cfg.run_name)):
+        raise ConfigError(f"run_name={_clip(str(cfg.run_name))} must be a plain name (letters, digits, '.', '_', "
+                          "'-'; no '/', no '..', at most 200 characters): it names a directory under "
+                          "base_output_directory")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """A user's value in an error line, at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_checkpoint_sources(cfg) -> None:
     """At most one of the two ways to start from a checkpoint."""
     if cfg.load_parameters_path and cfg.load_full_state_path:
@@ -452,7 +475,8 @@ def check_checkpoint_sources(cfg) -> None:
 
 
 CHECKS = (check_choices, check_te_options, check_router, check_positive, check_attention_heads, check_layers,
-          check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_checkpoint_sources)
+          check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
+          check_checkpoint_sources)
 
 
 def validate(cfg) -> None:

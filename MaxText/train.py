@@ -10,6 +10,7 @@ import sys
 import time
 
 from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
+from MaxText.run_lock import automatic_run_name, run_lock
 
 
 def _process_count_from_env() -> int:
@@ -176,8 +177,9 @@ def train(cfg, log=print, devices=None) -> dict | None:
         f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
 
     spec = state_spec(cfg, mesh)
-    checkpointer = Checkpointer(cfg, checkpoint_dir)
-    with moe_runtime(cfg, mesh, global_batch):
+    # One trainer per run directory: taken before anything is written there, held until the run returns.
+    with run_lock(run_dir, primary, jax.process_count()), moe_runtime(cfg, mesh, global_batch):
+        checkpointer = Checkpointer(cfg, checkpoint_dir)
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
@@ -277,7 +279,7 @@ def main(argv=None) -> int:
                 raise ConfigError("run_name must be set for a multi-process run (each process would pick "
                                   "a different timestamp); add run_name=<name>")
             with cfg.unlocked():
-                cfg.run_name = time.strftime("run_%Y%m%d_%H%M%S")
+                cfg.run_name = automatic_run_name()
         train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
