@@ -55,7 +55,7 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
 }
 
 # Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
-MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group")
+MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group", "capacity_factor")
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
@@ -93,12 +93,31 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------------------------------- loading
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"{key} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path}: {e}; keep one") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if data is None:
@@ -133,9 +152,34 @@ def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or not key:
-            raise ConfigError(f"argument {arg!r} is not key=value (or a .yml config file first)")
-        overrides[key.strip()] = value
+            raise ConfigError(f"argument {_clip(arg)!r} is not key=value (or a .yml config file first)")
+        key = key.strip()
+        if key in overrides:
+            raise ConfigError(f"{key} is given twice on the command line ({key}={_clip(overrides[key], 40)} and "
+                              f"{key}={_clip(value, 40)}); keep one")
+        overrides[key] = value
     return overrides
+
+
+# Command-line numbers and booleans are read by their key's type, not by YAML 1.1, which takes 010 for 8
+# (octal), 1:30 for 90 (base 60) and yes/on for true.
+_INT = re.compile(r"[+-]?[0-9]+")
+_BOOLS = {"true": True, "false": False}
+
+
+def _command_line_scalar(want: type, value: str) -> Any:
+    """`value` as `want` when it spells one plainly; else the string itself (rejected by _coerce)."""
+    text = value.strip()
+    if want is int and _INT.fullmatch(text):
+        return int(text, 10)
+    if want is float:
+        try:
+            return float(text) if not _INT.fullmatch(text) else float(int(text, 10))
+        except ValueError:
+            return value
+    if want is bool and text.lower() in _BOOLS:
+        return _BOOLS[text.lower()]
+    return value
 
 
 def _nearest(key: str, known) -> str:
@@ -157,7 +201,11 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
     """Parses `value` to the type of `default`; `origin` says where the value came from."""
     want = _key_type(key, default)
     optional = key in OPTIONAL_KEY_TYPES
-    if isinstance(value, str) and (want is not str or (optional and value.strip() in ("null", "None", "~", ""))):
+    if isinstance(value, str) and optional and value.strip() in ("null", "None", "~", ""):
+        value = None
+    elif isinstance(value, str) and origin == "on the command line" and want in (int, float, bool):
+        value = _command_line_scalar(want, value)
+    elif isinstance(value, str) and want is not str:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError:

@@ -372,3 +372,31 @@ def test_expert_parallel_dropless_needs_the_batch_split_over_expert():
     with pytest.raises(ConfigError, match="keep 'expert' in the activation_batch rule"):
         load_config(["ici_expert_parallelism=2", "ici_fsdp_parallelism=-1", rules])
     load_config(["ici_expert_parallelism=1", "ici_fsdp_parallelism=-1", rules])  # no expert parallelism: fine
+
+
+# ------------------------------------------------------------------------------- parsing without surprises
+
+@pytest.mark.parametrize("arg,value", [("steps=010", 10), ("steps=+7", 7), ("learning_rate=3e-4", 3e-4),
+                                       ("learning_rate=2", 2.0), ("enable_checkpointing=FALSE", False),
+                                       ("capacity_factor=-1", None)])
+def test_command_line_values_are_read_by_their_keys_type(arg, value):
+    """Not by YAML 1.1, which read steps=010 as 8 (octal). capacity_factor=-1 is MaxText's "no cap"."""
+    key = arg.split("=")[0]
+    assert load_config([arg])[key] == value
+
+
+@pytest.mark.parametrize("arg", ["steps=0x10", "steps=1:30", "steps=1e3", "enable_checkpointing=yes",
+                                 "enable_checkpointing=on", "steps=ten"])
+def test_command_line_values_yaml_would_have_guessed_are_errors(arg):
+    """YAML 1.1 took 0x10 for 16, 1:30 for 90 and yes/on for true."""
+    with pytest.raises(ConfigError, match=rf"{arg.split('=')[0]}='.*' \(on the command line\) is not a valid"):
+        load_config([arg])
+
+
+def test_a_key_given_twice_is_an_error_naming_both(tmp_path):
+    with pytest.raises(ConfigError, match=r"steps is given twice on the command line \(steps=5 and steps=6\)"):
+        load_config(["steps=5", "steps=6"])
+    config = tmp_path / "twice.yml"
+    config.write_text("steps: 5\nlog_period: 1\nsteps: 6\n")
+    with pytest.raises(ConfigError, match=r"twice.yml: steps is given twice \(lines 1 and 3\)"):
+        load_config([str(config)])
