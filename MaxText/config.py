@@ -401,10 +401,26 @@ def check_positive(cfg) -> None:
                 "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib"):
         if cfg[key] is not None and not cfg[key] > 0:
             raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
-    for key in ("learning_rate", "load_balance_loss_weight", "adam_weight_decay", "shared_experts", "mtp_num_layers",
-                "mtp_loss_scaling_factor", "skip_first_n_steps_for_profiler"):
-        if cfg[key] < 0:
+    for key in ("learning_rate", "load_balance_loss_weight", "router_z_loss_weight", "adam_weight_decay",
+                "shared_experts", "mtp_num_layers", "mtp_loss_scaling_factor", "skip_first_n_steps_for_profiler",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "routed_bias_update_rate", "first_num_dense_layers"):
+        if cfg[key] is not None and cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must not be negative")
+    for key, value in cfg.items():  # inf and nan in a float key make no sense anywhere
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+    for key in ("adam_b1", "adam_b2"):
+        if not 0 <= cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be in [0, 1) (Adam's moment decay)")
+    if not cfg.adam_eps > 0:
+        raise ConfigError(f"adam_eps={cfg.adam_eps} must be greater than 0")
+    for key in ("init_weights_seed", "data_shuffle_seed"):
+        if not 0 <= cfg[key] < 2 ** 32:
+            raise ConfigError(f"{key}={cfg[key]} must be in [0, 2**32) (a PRNG seed)")
+    if cfg.per_device_batch_size > 2 ** 20:
+        raise ConfigError(f"per_device_batch_size={cfg.per_device_batch_size} is absurd (over 2**20 sequences per "
+                          "device); MaxText.plan says what fits")
     if cfg.eval_interval != -1 and cfg.eval_interval < 1:
         raise ConfigError(f"eval_interval={cfg.eval_interval} must be at least 1, or -1 for no evaluation")
     for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction"):

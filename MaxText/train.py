@@ -271,6 +271,13 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.xla_flags:  # an unknown flag would abort XLA at start with a C++ fatal error: say it in one line
+        from MaxText.xla_flags import check_flags
+
+        problems = check_flags(cfg.xla_flags)
+        if problems:
+            print(f"error: xla_flags: {problems[0].message}", file=sys.stderr)
+            return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
     try:
         maybe_initialize_distributed(cfg)

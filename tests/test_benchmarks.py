@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from MaxText.benchmarks import train_step
-from tests.tiny import TINY
+from tests.tiny import TINY, args
 
 
 def test_train_step_benchmark_reports_each_impl(tmp_path, capsys):
@@ -24,7 +24,7 @@ def test_train_step_benchmark_reports_each_impl(tmp_path, capsys):
 
 
 def test_train_step_benchmark_config_error_is_one_line(capsys):
-    assert train_step.main(["configs/base.yml", *TINY, "num_experts_per_tok=5", "--impls", "dense"]) == 2
+    assert train_step.main(["configs/base.yml", *args(TINY, ["num_experts_per_tok=5"]), "--impls", "dense"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from MaxText.config import load_config
-from tests.tiny import TINY, losses, train_records
+from tests.tiny import TINY, args, losses, train_records
 
 EP_MESH = ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1"]
 IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
@@ -16,8 +16,8 @@ IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
 
 
 def run(tmp_path, *overrides):
-    return train_records(load_config(TINY + EP_MESH + [f"base_output_directory={tmp_path}", "log_period=1",
-                                                        *overrides]))
+    return train_records(load_config(args(TINY, EP_MESH, [f"base_output_directory={tmp_path}", "log_period=1"],
+                                          overrides)))
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ from MaxText import sharding
 from MaxText.checkpointing import Checkpointer
 from MaxText.config import load_config
 from MaxText.state import state_spec
-from tests.tiny import TINY, train_records
+from tests.tiny import TINY, args, train_records
 
 NUM_EXPERTS = 8  # so that an expert axis of 8 divides it
 # ragged is the dropless expert-parallel path (shard_map with an all-to-all over `expert`), the one whose
 # weight layout changes with the mesh. Two MoE layers and no dense one: the dense stack costs a third of
 # each compile (5 here) and its weights shard like attention's. The schedule's length is pinned: by default
 # it follows `steps`, which differs between the calls.
-BASE = TINY + [f"num_experts={NUM_EXPERTS}", "moe_impl=ragged", "base_num_decoder_layers=2",
-               "first_num_dense_layers=0", "learning_rate_schedule_steps=4", "log_period=1", "checkpoint_period=2"]
+BASE = args(TINY, [f"num_experts={NUM_EXPERTS}", "moe_impl=ragged", "base_num_decoder_layers=2",
+               "first_num_dense_layers=0", "learning_rate_schedule_steps=4", "log_period=1", "checkpoint_period=2"])
 SOURCE_MESH = ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1"]
 # Target mesh -> (its overrides, how many devices). The global batch is per_device_batch_size x devices:
 # the 4-device case takes 2 per device so that every run trains on the same 8 sequences per step.
@@ -34,7 +34,7 @@ TARGETS = {
 
 
 def config(tmp, run_name, *overrides):
-    return load_config(BASE + [f"base_output_directory={tmp}", f"run_name={run_name}", *overrides])
+    return load_config(args(BASE, [f"base_output_directory={tmp}", f"run_name={run_name}"], overrides))
 
 
 @pytest.fixture(scope="module")

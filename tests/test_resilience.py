@@ -15,7 +15,7 @@ from MaxText import checkpointing
 from MaxText.config import load_config
 from MaxText.state import state_spec
 from MaxText.train import NonFiniteError, main, train
-from tests.tiny import TINY, losses, train_records
+from tests.tiny import TINY, args as tiny_args, losses, train_records
 
 
 def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys):
@@ -43,7 +43,7 @@ def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), f"checkpoint {step}"
     ckpt.close()
     with pytest.raises(NonFiniteError):  # the library call raises the same error
-        train(load_config(args[:-3] + ["run_name=nan2", "learning_rate=1e38", "async_checkpointing=false"]),
+        train(load_config(tiny_args(args[:-3], ["run_name=nan2", "learning_rate=1e38", "async_checkpointing=false"])),
               log=lambda *_: None)
 
 
@@ -125,7 +125,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, six_st
 
     for step in ("2", "4", "6"):
         _garble(run_dir / "checkpoints" / step)
-    code = main(args + ["steps=8"])
+    code = main(tiny_args(args, ["steps=8"]))
     assert code == 2, "every checkpoint unreadable must stop the run, not start it afresh"
     assert not (run_dir / "checkpoints" / "8").exists()
 

@@ -9,12 +9,12 @@ import pytest
 from MaxText import checkpointing, sharding
 from MaxText.config import load_config
 from MaxText.state import state_spec
-from tests.tiny import TINY, losses, train_records
+from tests.tiny import TINY, args, losses, train_records
 
 
 def run(tmp_path, *overrides, base=TINY, devices=None):
     """Trains with `overrides` under tmp_path and returns the metrics records written by this run."""
-    cfg = load_config(list(base) + [f"base_output_directory={tmp_path}", "log_period=1", *overrides])
+    cfg = load_config(args(base, [f"base_output_directory={tmp_path}", "log_period=1"], overrides))
     return train_records(cfg, devices)
 
 
@@ -45,7 +45,7 @@ def test_train_step_runs_on_mesh_and_matches_one_device(mesh, tmp_path, single_d
 
 def test_params_are_created_sharded():
     """Expert weights split over `expert`, dense weights over `fsdp`; no param is whole on every device."""
-    cfg = load_config(TINY + MESHES["fsdp2_expert4"])
+    cfg = load_config(args(TINY, MESHES["fsdp2_expert4"]))
     mesh = sharding.create_mesh(cfg)
     spec = state_spec(cfg, mesh)
     params = spec.shardings["params"]

@@ -10,9 +10,19 @@ TINY = [
 ]
 
 
+def args(*parts) -> list:
+    """key=value lists joined, a later value replacing an earlier one of the same key (the trainer refuses a
+    key given twice on its command line)."""
+    merged = {}
+    for part in parts:
+        for arg in ([part] if isinstance(part, str) else part):
+            merged[arg.split("=", 1)[0]] = arg
+    return list(merged.values())
+
+
 def tiny_config(*overrides):
     """The tiny MoE decoder (1 dense + 2 MoE layers, E=4, K=2, float32) with extra key=value overrides."""
-    return load_config(TINY + list(overrides))
+    return load_config(args(TINY, overrides))
 
 
 def train_records(cfg, devices=None, log=lambda *_: None) -> list[dict]:

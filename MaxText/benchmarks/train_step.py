@@ -89,7 +89,7 @@ def main(argv=None) -> dict | int:
     try:
         for impl in a.impls.split(","):
             extra = [f"moe_impl={impl}"]
-            if impl == "te_dropless" and not on_nvidia:
+            if impl == "te_dropless" and not on_nvidia and not any(o.startswith("te_kernels=") for o in a.overrides):
                 extra.append("te_kernels=reference")  # TE's kernels need an NVIDIA GPU
             cfg = load_config([a.config, *a.overrides, *extra])
             label = impl + (" (reference)" if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "reference"

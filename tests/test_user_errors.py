@@ -1,0 +1,84 @@
+"""Every user mistake is one line: `python -m MaxText.train` exits 2 with a single `error:` line on stderr and no
+traceback, for a table of bad inputs and misuses (run in-process through MaxText.train.main, the command's
+own entry point; the ones that need a run get the tiny synthetic model)."""
+
+import os
+
+import pytest
+
+from MaxText import train
+from tests.tiny import TINY, args
+
+QWEN_4K = ["model_name=qwen3-30b-a3b", "max_target_length=4096"]
+
+# (label, argv, a phrase the error line must contain)
+MISTAKES = [
+    ("unknown key", ["stepz=10"], "unknown key 'stepz'"),
+    ("zero steps", ["steps=0"], "steps=0 must be at least 1"),
+    ("negative steps", ["steps=-5"], "steps=-5 must be at least 1"),
+    ("a word for an int", ["steps=ten"], "steps='ten'"),
+    ("hex int", ["steps=0x10"], "steps='0x10'"),
+    ("base-60 int", ["steps=1:30"], "steps='1:30'"),
+    ("float for an int", ["steps=2.5"], "steps='2.5'"),
+    ("infinite learning rate", ["learning_rate=inf"], "learning_rate=inf must be a finite number"),
+    ("nan learning rate", ["learning_rate=nan"], "must be a finite number"),
+    ("negative learning rate", ["learning_rate=-1"], "learning_rate=-1.0 must not be negative"),
+    ("beta1 of 1", ["adam_b1=1.0"], "adam_b1=1.0 must be in [0, 1)"),
+    ("negative beta2", ["adam_b2=-0.1"], "adam_b2=-0.1 must be in [0, 1)"),
+    ("zero epsilon", ["adam_eps=0"], "adam_eps=0.0 must be greater than 0"),
+    ("negative seed", ["init_weights_seed=-1"], "init_weights_seed=-1 must be in [0, 2**32)"),
+    ("huge seed", ["data_shuffle_seed=99999999999"], "data_shuffle_seed=99999999999 must be in"),
+    ("absurd batch", ["per_device_batch_size=1e9"], "per_device_batch_size=1000000000.0 is absurd"),
+    ("infinite batch", ["per_device_batch_size=inf"], "must be a finite number"),
+    ("zero batch", ["per_device_batch_size=0"], "per_device_batch_size=0.0 must be greater than 0"),
+    ("unknown impl", ["moe_impl=bogus"], "moe_impl=bogus is not one of"),
+    ("unknown dtype", ["dtype=float8"], "dtype=float8 is not one of"),
+    ("unknown remat policy", ["remat_policy=some"], "remat_policy=some is not one of"),
+    ("run_name escaping", ["run_name=../x"], "run_name=../x must be a plain name"),
+    ("run_name with a slash", ["run_name=a/b"], "must be a plain name"),
+    ("unknown model", ["model_name=gpt5"], "model_name=gpt5: no file"),
+    ("model_name escaping", ["model_name=../../x"], "is not a name under configs/models/"),
+    ("missing model file", ["model_name=/nope/model.yml"], "no such file"),
+    ("top-k over the experts", ["num_experts_per_tok=99"], "num_experts_per_tok=99 must not exceed num_experts"),
+    ("two absorbing axes", ["ici_fsdp_parallelism=-1", "ici_expert_parallelism=-1"], "may be -1"),
+    ("missing config file", ["configs/nope.yml"], "configs/nope.yml"),
+    ("not key=value", ["steps"], "is not key=value"),
+    ("a key twice", ["steps=5", "steps=6"], "steps is given twice"),
+    ("yes for a bool", ["enable_checkpointing=yes"], "enable_checkpointing='yes'"),
+    ("two checkpoint sources", ["load_parameters_path=/a", "load_full_state_path=/b"], "set only one of"),
+    ("warmup over the schedule", ["warmup_steps_fraction=2"], "warmup_steps_fraction=2.0 must be between 0 and 1"),
+    ("negative rank", ["kv_lora_rank=-1"], "kv_lora_rank=-1 must not be negative"),
+    ("negative MTP depth", ["mtp_num_layers=-1"], "mtp_num_layers=-1 must not be negative"),
+    ("zero capacity", ["capacity_factor=0"], "capacity_factor=0.0 must be greater than 0"),
+    ("MXFP8 off TE", ["te_gmm_quantization=mxfp8"], "applies to moe_impl=te_dropless only"),
+    ("bias with softmax", ["routed_bias=true"], "routed_bias=true needs routed_score_func=sigmoid"),
+    ("half of group routing", ["n_routing_groups=2"], "set both n_routing_groups and topk_routing_group"),
+    ("quadratic dense masks", [*QWEN_4K, "moe_impl=dense"], "8.0 GiB per sequence"),
+    ("unknown GPU profile", ["gpu_profile=dgx-a100"], "gpu_profile=dgx-a100 is not one of"),
+    ("unknown XLA flag", ["xla_flags=--xla_gpu_made_up_flag=1"], "xla_flags: unknown XLA flag --xla_gpu_made_up_flag"),
+    ("renamed XLA flag", ["xla_flags=--xla_gpu_enable_nccl_symmetric_buffers=true"],
+     "did you mean --xla_gpu_experimental_enable_nccl_symmetric_buffers"),
+    ("TE kernels without a GPU", args(TINY, ["moe_impl=te_dropless"]), "needs an NVIDIA GPU"),
+    ("no corpus named", args(TINY, ["dataset_type=tfds", "dataset_name=null"]), "dataset_name is not set"),
+    ("missing tokenizer file", args(TINY, ["dataset_type=tfds", "tokenizer_path=/nope/tokenizer.json"]),
+     "tokenizer_path=/nope/tokenizer.json does not exist"),
+    ("a very long bad value", ["run_name=" + "y" * 5000], "must be a plain name"),
+]
+
+
+@pytest.mark.parametrize("label,argv,phrase", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_mistake_is_one_line_and_exit_2(label, argv, phrase, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # apply_xla_flags may edit it
+    code = train.main([*argv, f"base_output_directory={tmp_path}"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2, (label, code, err[-1000:])
+    assert len(errors) == 1 and "Traceback" not in err, (label, err[-1000:])
+    assert phrase in errors[0], (label, errors[0])
+    assert len(errors[0]) < 500, (label, len(errors[0]))
+
+
+def test_the_table_is_big_enough():
+    assert len(MISTAKES) >= 40
