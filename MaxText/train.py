@@ -148,7 +148,13 @@ class Evaluator:
 
 def train(cfg, log=print, devices=None) -> dict | None:
     """Runs the training loop to cfg.steps on `devices` (default: all); returns the last logged metrics
-    record (None if no step ran)."""
+    record (None if no step ran). SIGTERM at any moment from here on stops the run cleanly: during set-up
+    (nothing to save), during a step or its compile (that step is checkpointed), during a save."""
+    with StopFlag() as stop:
+        return _train(cfg, log, devices, stop)
+
+
+def _train(cfg, log, devices, stop) -> dict | None:
     import jax
     import numpy as np
     import tqdm
@@ -196,6 +202,12 @@ def train(cfg, log=print, devices=None) -> dict | None:
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
                              dynamic_ncols=True, leave=False)
         profiler = Profiler(cfg, run_dir, start, log)
+        if stop.set:
+            log("SIGTERM during set-up, before the first step: nothing to save; stopping")
+            progress.close()
+            writer.close()
+            checkpointer.close()
+            return None
         last_record, pending = None, None
         last_done = time.perf_counter()
 
@@ -228,31 +240,30 @@ def train(cfg, log=print, devices=None) -> dict | None:
                 pending = None
 
         try:
-            with StopFlag() as stop:
-                for step in range(start, cfg.steps):
-                    batch = jax.make_array_from_process_local_data(batch_sharding, next(data))
-                    profiler.before_step(step)
-                    state, step_metrics = step_fn(state, batch)
-                    profiler.after_step(step, state)
-                    settle()
-                    pending = (step + 1, step_metrics)
-                    stopping = stop.set and step + 1 < cfg.steps
-                    if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
-                        settle()  # a state is saved only once its step is known to be finite
-                        checkpointer.save(step + 1, state, data.state())
-                        log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
-                    if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
-                        settle()  # the step's own record first
-                        record = writer.write(step + 1, evaluate(state))
-                        progress.write(f"eval at step {step + 1}: loss {record['eval_loss']:.4f}, perplexity "
-                                       f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens"
-                                       + (f", dropped {np.mean(record['eval_moe_dropped_fraction']):.3f}, overflow "
-                                          f"{np.sum(record['eval_moe_overflow']):.0f}"
-                                          if "eval_moe_overflow" in record else ""))
-                    if stopping:
-                        log(f"SIGTERM: stopped after step {step + 1}")
-                        break
+            for step in range(start, cfg.steps):
+                batch = jax.make_array_from_process_local_data(batch_sharding, next(data))
+                profiler.before_step(step)
+                state, step_metrics = step_fn(state, batch)
+                profiler.after_step(step, state)
                 settle()
+                pending = (step + 1, step_metrics)
+                stopping = stop.set and step + 1 < cfg.steps
+                if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
+                    settle()  # a state is saved only once its step is known to be finite
+                    checkpointer.save(step + 1, state, data.state())
+                    log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
+                if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
+                    settle()  # the step's own record first
+                    record = writer.write(step + 1, evaluate(state))
+                    progress.write(f"eval at step {step + 1}: loss {record['eval_loss']:.4f}, perplexity "
+                                   f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens"
+                                   + (f", dropped {np.mean(record['eval_moe_dropped_fraction']):.3f}, overflow "
+                                      f"{np.sum(record['eval_moe_overflow']):.0f}"
+                                      if "eval_moe_overflow" in record else ""))
+                if stopping:
+                    log(f"SIGTERM: stopped after step {step + 1}")
+                    break
+            settle()
         finally:
             profiler.stop()
             progress.close()

@@ -201,3 +201,20 @@ def test_sigkill_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_pa
         record = json.loads(line)
         last[record["step"]] = record["loss"]  # a rerun step's record is the one that counts
     np.testing.assert_allclose([last[s] for s in range(1, 7)], full, rtol=1e-6)
+
+
+def test_sigterm_during_set_up_exits_0_with_nothing_to_save(tmp_path):
+    """SIGTERM right after the run's first log line (state creation, data, compile still ahead): exit 0 and
+    one line saying nothing was saved, or, had the first step's compile begun, that step checkpointed. The
+    default handler used to kill the process (exit -15) anywhere outside the step loop."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    args = [sys.executable, "-m", "MaxText.train", *TINY, f"base_output_directory={tmp_path}", "run_name=early",
+            "steps=100000", "checkpoint_period=100000"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()
+    assert first.startswith("run early:"), first
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, first + out
+    assert "SIGTERM during set-up, before the first step: nothing to save" in out or "SIGTERM: stopped after step 1" in out, out
+    assert "Traceback" not in out, out
