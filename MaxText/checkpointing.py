@@ -9,11 +9,18 @@ killed mid-save (SIGKILL, node failure) leaves only a temporary directory that i
 (and is removed at the next start). A complete step that cannot be read (a corrupted file) is skipped with a
 warning for the newest readable one, and renamed <step>.unreadable-<time> so that training can save that
 step again; if none can be read the run stops with an error instead of starting afresh.
+
+Verified, not trusted: every step also saves <step>/checksums (JSON), one 32-bit checksum per array of the
+train state, computed on the devices from the arrays' bits (state_checksums). A restore recomputes them and
+treats any mismatch like an unreadable step, naming the array: bytes changed inside an array file used to
+restore silently as garbage (the data files are not compressed, so nothing else notices).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import time
 
@@ -24,6 +31,60 @@ from MaxText.config import ConfigError
 
 ITEM = "items"
 INPUT = "input"
+CHECKSUMS = "checksums"
+
+
+class ChecksumMismatch(ValueError):
+    """A restored array's bits differ from the checksum saved with it."""
+
+
+def _array_checksum(x):
+    """sum over elements of (bits of the element) x (an odd weight from its flat index), mod 2**32, computed
+    where the array lives (a sharded sum: no copy to the host). Any change of one element changes it."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    if x.dtype.itemsize == 8:
+        bits = lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+    elif x.dtype.itemsize == 4:
+        bits = lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32) if x.dtype != jnp.bool_ \
+            else x.astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    for dim in range(bits.ndim):  # the flat index, wrapping at 2**32 like everything here
+        stride = math.prod(bits.shape[dim + 1:]) % 2 ** 32
+        index = index + lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(stride)
+    weight = index * jnp.uint32(2654435761 * 2 % 2 ** 32) + jnp.uint32(1)  # odd for every index
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
+
+
+def state_checksums(state) -> dict[str, int]:
+    """{array path: checksum} of a train state (global arrays, any sharding)."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+    sums = _checksums_jit()([leaf for _, leaf in leaves])
+    return {path: int(value) for path, value in zip(paths, jax.device_get(sums))}
+
+
+@functools.cache
+def _checksums_jit():
+    """One jitted function for all saves and restores (compiled once per state structure)."""
+    import jax
+
+    return jax.jit(lambda arrays: [_array_checksum(a) for a in arrays])
+
+
+def verify(state, saved: dict[str, int]) -> None:
+    """Raises ChecksumMismatch naming the first array of `state` whose checksum differs from `saved`."""
+    for path, value in state_checksums(state).items():
+        if path in saved and saved[path] != value:
+            raise ChecksumMismatch(f"array {path} does not match its saved checksum (its file was changed or "
+                                   "damaged after the save)")
 
 
 class Checkpointer:
@@ -41,7 +102,7 @@ class Checkpointer:
         )
         # Opened even when saving is off, so that a run can still resume from what is there.
         self.manager = ocp.CheckpointManager(epath.Path(checkpoint_dir), options=options,
-                                             item_names=(ITEM, INPUT)) \
+                                             item_names=(ITEM, INPUT, CHECKSUMS)) \
             if self.enabled or os.path.isdir(checkpoint_dir) else None
 
     def latest_step(self):
@@ -56,20 +117,22 @@ class Checkpointer:
         is written once: {"process_count": P, "positions": [one per process]})."""
         import jax
 
-        items = {ITEM: ocp.args.StandardSave(state)}
+        items = {ITEM: ocp.args.StandardSave(state), CHECKSUMS: ocp.args.JsonSave(state_checksums(state))}
         if input_state is not None:
             items[INPUT] = ocp.args.JsonSave({"process_count": jax.process_count(),
                                               "positions": _gather_json(input_state)})
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, step: int, abstract_state):
-        """(train state, saved input positions {"process_count", "positions"} or None) of a step."""
+        """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
+        verified against the step's checksums (steps saved before checksums existed restore unverified)."""
         items = {ITEM: ocp.args.StandardRestore(abstract_state)}
-        has_input = os.path.isdir(os.path.join(self.directory, str(step), INPUT))
-        if has_input:
-            items[INPUT] = ocp.args.JsonRestore()
+        present = {name for name in (INPUT, CHECKSUMS) if os.path.isdir(os.path.join(self.directory, str(step), name))}
+        items.update({name: ocp.args.JsonRestore() for name in present})
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return restored[ITEM], restored[INPUT] if has_input else None
+        if CHECKSUMS in present:
+            verify(restored[ITEM], restored[CHECKSUMS])
+        return restored[ITEM], restored[INPUT] if INPUT in present else None
 
     def restore_latest(self, abstract_state, log):
         """(step, restore()) of the newest readable step, or None when there is no step. Unreadable newer steps are

@@ -218,3 +218,36 @@ def test_sigterm_during_set_up_exits_0_with_nothing_to_save(tmp_path):
     assert proc.returncode == 0, first + out
     assert "SIGTERM during set-up, before the first step: nothing to save" in out or "SIGTERM: stopped after step 1" in out, out
     assert "Traceback" not in out, out
+
+
+def test_bytes_changed_inside_an_array_file_are_caught_by_its_checksum(tmp_path):
+    """64 random bytes written into the middle of the newest checkpoint's array data (uncompressed, so the
+    restore used to succeed with garbage): the restore names the array whose checksum does not match, sets
+    the step aside and resumes from the previous one."""
+    import glob
+
+    import numpy as np
+
+    argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=bits", "steps=2", "checkpoint_period=1",
+                            "async_checkpointing=false"])
+    # Both runs in their own one-device process, as a rerun is: one array file, written uncompressed, and no
+    # TensorStore cache that still holds the chunks this process wrote.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+    def rerun(steps):
+        return subprocess.run([sys.executable, "-m", "MaxText.train", *tiny_args(argv, [f"steps={steps}"])],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    assert rerun(2).returncode == 0
+    data = max(glob.glob(str(tmp_path / "bits" / "checkpoints" / "2" / "items" / "ocdbt.process_0" / "d" / "*")),
+               key=os.path.getsize)
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes()
+    open(data, "wb").write(raw)
+    done = rerun(3)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    warning = next((line for line in lines if line.startswith("warning: checkpoint")), done.stdout)
+    assert "does not match its saved checksum" in warning and "array ['" in warning, warning
+    assert any(line.startswith("resuming from") and line.endswith("checkpoints/1") for line in lines), lines
+    assert any(name.startswith("2.unreadable-") for name in os.listdir(tmp_path / "bits" / "checkpoints"))
