@@ -14,6 +14,7 @@ from MaxText.config import CONFIG_DIR, load_config
 from MaxText.data import abstract_batch
 from MaxText.state import state_spec
 from MaxText.train_step import jit_train_step
+from tests.tiny import args
 
 
 def compiled_memory(cfg):
@@ -41,7 +42,7 @@ COMMON = ["moe_impl=ragged", "dtype=float32", "max_target_length=32", "num_devic
 def test_activation_estimate_within_25_percent_of_compiled_train_step(case):
     """XLA's temp allocation of the train step holds the activations, the float32 gradients and the layer
     loop's weight copies: the plan's activations + gradients + layer weights must be within 25% of it."""
-    cfg = load_config(COMMON + ESTIMATED[case])  # later keys win: mixtral-tiny's moe_impl=dense
+    cfg = load_config(args(COMMON, ESTIMATED[case]))  # later keys win: mixtral-tiny's moe_impl=dense
     p = plan.plan(cfg)
     estimate = p["bytes"]["activations"] + p["bytes"]["gradients"] + p["bytes"]["layer_weights"]
     measured = compiled_memory(cfg).temp_size_in_bytes

@@ -30,8 +30,8 @@ MESHES = {
 def single_device_losses(tmp_path_factory):
     """Three steps on a 1-device mesh: the numbers every mesh must reproduce."""
     tmp = tmp_path_factory.mktemp("one")
-    cfg = load_config(TINY + [f"base_output_directory={tmp}", "run_name=one", "log_period=1", "steps=3",
-                              "enable_checkpointing=false", "per_device_batch_size=8"])
+    cfg = load_config(args(TINY, [f"base_output_directory={tmp}", "run_name=one", "log_period=1", "steps=3",
+                                  "enable_checkpointing=false", "per_device_batch_size=8"]))
     return losses(train_records(cfg, devices=jax.devices()[:1]))
 
 
