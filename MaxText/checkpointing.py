@@ -87,6 +87,11 @@ def verify(state, saved: dict[str, int]) -> None:
                                    "damaged after the save)")
 
 
+class CheckpointError(RuntimeError):
+    """A save failed (one line: the path and the OS's reason); the run stops, losing only the steps since the
+    newest durable checkpoint."""
+
+
 class Checkpointer:
     """A CheckpointManager for this run's checkpoint directory, saving the whole train state as `items`."""
 
@@ -94,6 +99,18 @@ class Checkpointer:
         self.enabled = cfg.enable_checkpointing
         self.period = cfg.checkpoint_period
         self.directory = checkpoint_dir
+        self.asynchronous = cfg.async_checkpointing
+        self.pending = None  # the step of an async save not yet known to be durable
+        if self.enabled:  # a directory that cannot take a checkpoint is a start-up error, not a late surprise
+            try:
+                os.makedirs(checkpoint_dir, exist_ok=True)
+                probe = os.path.join(checkpoint_dir, f".write-test-{os.getpid()}")
+                with open(probe, "w") as f:
+                    f.write("ok")
+                os.remove(probe)
+            except OSError as e:
+                raise ConfigError(f"cannot write checkpoints to {checkpoint_dir}: {e.strerror}; fix its permissions or "
+                                  "set base_output_directory (or enable_checkpointing=false)") from None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
@@ -121,7 +138,29 @@ class Checkpointer:
         if input_state is not None:
             items[INPUT] = ocp.args.JsonSave({"process_count": jax.process_count(),
                                               "positions": _gather_json(input_state)})
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # noqa: BLE001 - a failed save is one line, never hundreds of traceback lines
+            raise CheckpointError(self._failure(step, e)) from None
+        self.pending = step if self.asynchronous else None
+
+    def poll(self) -> int | None:
+        """The step of an async save that has become durable since the last call (then forgotten), else None;
+        raises CheckpointError as soon as that save is known to have failed."""
+        if self.pending is None or self.manager.is_saving_in_progress():
+            return None
+        step, self.pending = self.pending, None
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(self._failure(step, e)) from None
+        return step
+
+    def _failure(self, step: int, error: Exception) -> str:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        durable = [s for s in (self.manager.all_steps() if self.manager else []) if s != step]
+        return (f"saving checkpoint {self.directory}/{step} failed ({type(error).__name__}: {reason}); the newest "
+                f"durable checkpoint is " + (f"{self.directory}/{max(durable)}" if durable else "none"))
 
     def restore(self, step: int, abstract_state):
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
@@ -168,10 +207,14 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self):
-        """Waits for any async save to finish."""
+        """Waits for any async save to finish (CheckpointError if it failed)."""
         if self.manager:
-            self.manager.wait_until_finished()
-            self.manager.close()
+            try:
+                self.manager.wait_until_finished()
+                if self.pending is not None:
+                    self.poll()
+            finally:
+                self.manager.close()
 
 
 def _gather_json(obj) -> list:

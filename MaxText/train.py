@@ -251,7 +251,11 @@ def _train(cfg, log, devices, stop) -> dict | None:
                 if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
                     settle()  # a state is saved only once its step is known to be finite
                     checkpointer.save(step + 1, state, data.state())
-                    log(f"saved checkpoint {checkpoint_dir}/{step + 1}")
+                    log(f"saving checkpoint {checkpoint_dir}/{step + 1} in the background" if checkpointer.pending
+                        else f"saved checkpoint {checkpoint_dir}/{step + 1}")
+                durable = checkpointer.poll()
+                if durable is not None:
+                    log(f"saved checkpoint {checkpoint_dir}/{durable} (durable)")
                 if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
                     settle()  # the step's own record first
                     record = writer.write(step + 1, evaluate(state))
@@ -290,6 +294,8 @@ def main(argv=None) -> int:
             print(f"error: xla_flags: {problems[0].message}", file=sys.stderr)
             return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
+    from MaxText.checkpointing import CheckpointError
+
     try:
         maybe_initialize_distributed(cfg)
         if cfg.run_name is None:
@@ -302,7 +308,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

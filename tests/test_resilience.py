@@ -144,7 +144,7 @@ def _run_until(args, env, done, timeout=180):
 
 
 # The trainer, with Orbax's final rename of a finished checkpoint delayed by a second: a SIGKILL right after
-# "saved checkpoint" then lands in the middle of the asynchronous save every time, not just by luck.
+# "saving checkpoint ... in the background" then lands in the middle of the asynchronous save every time.
 _SLOW_FINALIZE = """
 import asyncio, sys
 from orbax.checkpoint._src.path import atomicity
@@ -176,9 +176,9 @@ def test_sigkill_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_pa
         return [n for n in os.listdir(ckpt_dir) if "orbax-checkpoint-tmp" in n]
 
     kill_points = [  # (when to kill, complete checkpoints expected afterwards)
-        (lambda out: f"saved checkpoint {ckpt_dir}/2" in out, [], "during the async save of step 2"),
+        (lambda out: f"saving checkpoint {ckpt_dir}/2 in the background" in out, [], "during the async save of step 2"),
         (lambda out: complete_steps() == [2] and "completed step: 3," in out, [2], "between checkpoints"),
-        (lambda out: f"saved checkpoint {ckpt_dir}/4" in out, [2], "during the async save of step 4"),
+        (lambda out: f"saving checkpoint {ckpt_dir}/4 in the background" in out, [2], "during the async save of step 4"),
     ]
     resumed_from = []
     for done, expected, when in kill_points:
@@ -251,3 +251,29 @@ def test_bytes_changed_inside_an_array_file_are_caught_by_its_checksum(tmp_path)
     assert "does not match its saved checksum" in warning and "array ['" in warning, warning
     assert any(line.startswith("resuming from") and line.endswith("checkpoints/1") for line in lines), lines
     assert any(name.startswith("2.unreadable-") for name in os.listdir(tmp_path / "bits" / "checkpoints"))
+
+
+def test_a_failed_async_save_is_one_line_as_soon_as_it_is_known(tmp_path):
+    """An asynchronous save that fails (the disk filled, the mount went away) is reported at the first step
+    after Orbax knows, naming the path, the OS's reason and the newest durable checkpoint; it used to be
+    reported as saved, surfacing only at the next save after hundreds of traceback lines."""
+    from MaxText.checkpointing import CheckpointError, Checkpointer
+
+    cfg = load_config(tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=fail"]))
+    checkpointer = Checkpointer(cfg, str(tmp_path / "fail" / "checkpoints"))
+
+    class FailedSave:  # what Orbax's manager reports after a background write failed
+        def is_saving_in_progress(self):
+            return False
+
+        def check_for_errors(self):
+            raise OSError(28, "No space left on device")
+
+        def all_steps(self):
+            return [4]
+
+    checkpointer.manager, checkpointer.pending = FailedSave(), 6
+    with pytest.raises(CheckpointError) as e:
+        checkpointer.poll()
+    assert str(e.value) == (f"saving checkpoint {tmp_path}/fail/checkpoints/6 failed (OSError: [Errno 28] No space "
+                            f"left on device); the newest durable checkpoint is {tmp_path}/fail/checkpoints/4")

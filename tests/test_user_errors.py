@@ -63,6 +63,8 @@ MISTAKES = [
     ("missing tokenizer file", args(TINY, ["dataset_type=tfds", "tokenizer_path=/nope/tokenizer.json"]),
      "tokenizer_path=/nope/tokenizer.json does not exist"),
     ("a very long bad value", ["run_name=" + "y" * 5000], "must be a plain name"),
+    ("output directory under a file", args(TINY, ["base_output_directory=README.md"]), "cannot use run directory"),
+    ("checkpoint directory is a file", args(TINY, ["run_name=ckfile"]), "cannot write checkpoints to"),
 ]
 
 
@@ -70,7 +72,11 @@ MISTAKES = [
 def test_a_mistake_is_one_line_and_exit_2(label, argv, phrase, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # apply_xla_flags may edit it
-    code = train.main([*argv, f"base_output_directory={tmp_path}"])
+    (tmp_path / "ckfile").mkdir()
+    (tmp_path / "ckfile" / "checkpoints").write_text("not a directory")
+    if not any(a.startswith("base_output_directory=") for a in argv):
+        argv = [*argv, f"base_output_directory={tmp_path}"]
+    code = train.main(argv)
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
