@@ -61,6 +61,32 @@ def _array_checksum(x):
     return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
+def state_manifest(state) -> dict:
+    """What <step>/checksums holds: {"arrays": {path: {"checksum", "shape"}}} of a train state."""
+    import jax
+
+    shapes = {jax.tree_util.keystr(p): list(leaf.shape) for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+    return {"arrays": {path: {"checksum": value, "shape": shapes[path]}
+                       for path, value in state_checksums(state).items()}}
+
+
+def check_shapes(abstract_state, saved: dict, cfg, where: str) -> None:
+    """ConfigError naming the first array whose saved shape differs from what this config builds, and the
+    config keys whose value is the differing size."""
+    import jax
+
+    arrays = saved.get("arrays", {})
+    leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+    for name, leaf in sorted(leaves, key=lambda item: not item[0].startswith("['params']")):  # parameters first
+        if name in arrays and list(leaf.shape) != arrays[name]["shape"]:
+            old, new = arrays[name]["shape"], list(leaf.shape)
+            sizes = {n for o, n in zip(old, new) if o != n} if len(old) == len(new) else set(new)
+            keys = [f"{k}={v}" for k, v in cfg.items() if type(v) is int and v in sizes]
+            raise ConfigError(f"checkpoint {where} was written by another model: {name} is {tuple(old)} there and "
+                              f"{tuple(new)} under this config" + (f" ({', '.join(keys[:4])} here)" if keys else "")
+                              + "; use the config it was written with, or another run_name")
+
+
 def state_checksums(state) -> dict[str, int]:
     """{array path: checksum} of a train state (global arrays, any sharding)."""
     import jax
@@ -79,10 +105,11 @@ def _checksums_jit():
     return jax.jit(lambda arrays: [_array_checksum(a) for a in arrays])
 
 
-def verify(state, saved: dict[str, int]) -> None:
+def verify(state, saved: dict) -> None:
     """Raises ChecksumMismatch naming the first array of `state` whose checksum differs from `saved`."""
+    arrays = saved.get("arrays", {})
     for path, value in state_checksums(state).items():
-        if path in saved and saved[path] != value:
+        if path in arrays and arrays[path]["checksum"] != value:
             raise ChecksumMismatch(f"array {path} does not match its saved checksum (its file was changed or "
                                    "damaged after the save)")
 
@@ -96,6 +123,7 @@ class Checkpointer:
     """A CheckpointManager for this run's checkpoint directory, saving the whole train state as `items`."""
 
     def __init__(self, cfg, checkpoint_dir: str):
+        self.cfg = cfg
         self.enabled = cfg.enable_checkpointing
         self.period = cfg.checkpoint_period
         self.directory = checkpoint_dir
@@ -134,7 +162,7 @@ class Checkpointer:
         is written once: {"process_count": P, "positions": [one per process]})."""
         import jax
 
-        items = {ITEM: ocp.args.StandardSave(state), CHECKSUMS: ocp.args.JsonSave(state_checksums(state))}
+        items = {ITEM: ocp.args.StandardSave(state), CHECKSUMS: ocp.args.JsonSave(state_manifest(state))}
         if input_state is not None:
             items[INPUT] = ocp.args.JsonSave({"process_count": jax.process_count(),
                                               "positions": _gather_json(input_state)})
@@ -165,8 +193,11 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
         verified against the step's checksums (steps saved before checksums existed restore unverified)."""
-        items = {ITEM: ocp.args.StandardRestore(abstract_state)}
         present = {name for name in (INPUT, CHECKSUMS) if os.path.isdir(os.path.join(self.directory, str(step), name))}
+        if CHECKSUMS in present:  # a checkpoint of another model is a config mistake, not a damaged step
+            saved = self.manager.restore(step, args=ocp.args.Composite(**{CHECKSUMS: ocp.args.JsonRestore()}))
+            check_shapes(abstract_state, saved[CHECKSUMS], self.cfg, f"{self.directory}/{step}")
+        items = {ITEM: ocp.args.StandardRestore(abstract_state)}
         items.update({name: ocp.args.JsonRestore() for name in present})
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         if CHECKSUMS in present:
@@ -181,6 +212,8 @@ class Checkpointer:
         for step in steps:
             try:
                 restored = self.restore(step, abstract_state)
+            except ConfigError:
+                raise  # the config does not match the run's checkpoints: no older step will either
             except Exception as e:  # noqa: BLE001 -- any failure to read a step is reported, then the next tried
                 reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
                 failures.append((step, f"{type(e).__name__}: {reason}"))

@@ -277,3 +277,18 @@ def test_a_failed_async_save_is_one_line_as_soon_as_it_is_known(tmp_path):
         checkpointer.poll()
     assert str(e.value) == (f"saving checkpoint {tmp_path}/fail/checkpoints/6 failed (OSError: [Errno 28] No space "
                             f"left on device); the newest durable checkpoint is {tmp_path}/fail/checkpoints/4")
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_the_parameter(tmp_path, capsys):
+    """Resuming a run directory under a config whose shapes differ: exit 2, one line naming the first differing
+    parameter, both shapes and the config key of the new size; the steps are not set aside as damaged (it used
+    to be Orbax's ValueError about ArrayRestoreArgs, and every step tried and reported)."""
+    argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=other", "steps=2"])
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(tiny_args(argv, ["base_mlp_dim=96", "steps=3"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: checkpoint "), err
+    assert "['params']['dense_layers']['layers']['mlp']['wi_0'] is (1, 32, 64) there and (1, 32, 96)" in err, err
+    assert "(base_mlp_dim=96 here)" in err, err
+    assert sorted(os.listdir(tmp_path / "other" / "checkpoints")) == ["2"]
