@@ -18,6 +18,7 @@ restore silently as garbage (the data files are not compressed, so nothing else 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -70,7 +71,8 @@ def state_manifest(state) -> dict:
                        for path, value in state_checksums(state).items()}}
 
 
-def check_shapes(abstract_state, saved: dict, cfg, where: str) -> None:
+def check_shapes(abstract_state, saved: dict, cfg, where: str,
+                 fix: str = "use the config it was written with, or another run_name") -> None:
     """ConfigError naming the first array whose saved shape differs from what this config builds, and the
     config keys whose value is the differing size."""
     import jax
@@ -84,7 +86,7 @@ def check_shapes(abstract_state, saved: dict, cfg, where: str) -> None:
             keys = [f"{k}={v}" for k, v in cfg.items() if type(v) is int and v in sizes]
             raise ConfigError(f"checkpoint {where} was written by another model: {name} is {tuple(old)} there and "
                               f"{tuple(new)} under this config" + (f" ({', '.join(keys[:4])} here)" if keys else "")
-                              + "; use the config it was written with, or another run_name")
+                              + f"; {fix}")
 
 
 def state_checksums(state) -> dict[str, int]:
@@ -240,8 +242,9 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self):
-        """Waits for any async save to finish (CheckpointError if it failed)."""
-        if self.manager:
+        """Waits for any async save to finish (CheckpointError if it failed). Idempotent."""
+        if self.manager and not getattr(self, "closed", False):
+            self.closed = True
             try:
                 self.manager.wait_until_finished()
                 if self.pending is not None:
@@ -273,15 +276,45 @@ def _item_dir(path: str, key: str) -> str:
                           "e.g. <run>/checkpoints/<step>/items")
     if os.path.isdir(os.path.join(path, ITEM)):  # accept .../checkpoints/<step> too
         path = os.path.join(path, ITEM)
+    if not os.path.isfile(os.path.join(path, "_METADATA")):
+        raise ConfigError(f"{key}={path} is not an Orbax checkpoint (no _METADATA there); point it at a "
+                          "checkpoint's item directory, e.g. <run>/checkpoints/<step>/items")
     return path
 
 
-def load_full_state(path: str, abstract_state):
+def _check_manifest(path: str, abstract_tree, key: str, cfg) -> None:
+    """check_shapes against the manifest beside a step's items, when the step has one (this trainer's)."""
+    manifest = os.path.join(os.path.dirname(path), CHECKSUMS)
+    if not os.path.isdir(manifest):
+        return
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+        saved = ckptr.restore(manifest)
+    check_shapes(abstract_tree, saved, cfg or {}, f"{path} ({key})", f"use this model's config, or set {key} to "
+                 "one of its checkpoints")
+
+
+def _restoring(key: str, path: str):
+    """One ConfigError line for a checkpoint given by a key that cannot be restored into this model."""
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Orbax's errors are many and long: one line of the first
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ConfigError(f"{key}={path} cannot be restored into this model ({type(e).__name__}: {reason})") \
+                from None
+    return guard()
+
+
+def load_full_state(path: str, abstract_state, cfg=None):
     """(train state, saved input positions or None) from an item directory: the whole state (step, params,
     optimizer) and, when the step beside it holds one, the input position, so the loaded run reads on
     where its source stopped."""
     path = _item_dir(path, "load_full_state_path")
-    with ocp.StandardCheckpointer() as ckptr:
+    _check_manifest(path, abstract_state, "load_full_state_path", cfg)
+    with _restoring("load_full_state_path", path), ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(path, abstract_state)
     input_dir = os.path.join(os.path.dirname(path), INPUT)
     if not os.path.isdir(input_dir):
@@ -290,11 +323,12 @@ def load_full_state(path: str, abstract_state):
         return state, ckptr.restore(input_dir)
 
 
-def load_params(path: str, abstract_params):
+def load_params(path: str, abstract_params, cfg=None):
     """Only the params of a saved train state (the optimizer state on disk is not read)."""
     path = _item_dir(path, "load_parameters_path")
+    _check_manifest(path, {"params": abstract_params}, "load_parameters_path", cfg)
     restore_args = ocp.checkpoint_utils.construct_restore_args({"params": abstract_params})
-    with ocp.PyTreeCheckpointer() as ckptr:
+    with _restoring("load_parameters_path", path), ocp.PyTreeCheckpointer() as ckptr:
         restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
             item={"params": abstract_params}, restore_args=restore_args, partial_restore=True))
     return restored["params"]

@@ -5,6 +5,7 @@ config -> (XLA flags, jax.distributed) -> mesh -> state (resume / load / init) -
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -107,12 +108,12 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
         return state, input_position(saved_input, step, log)
     if cfg.load_full_state_path:
         log(f"loading the full state from {cfg.load_full_state_path}")
-        state, saved_input = checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract)
+        state, saved_input = checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract, cfg)
         return state, input_position(saved_input, int(state["step"]), log)
     state = create_state(cfg, mesh, spec)
     if cfg.load_parameters_path:
         log(f"loading params from {cfg.load_parameters_path}")
-        state["params"] = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"])
+        state["params"] = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg)
     return state, None
 
 
@@ -184,8 +185,10 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
     spec = state_spec(cfg, mesh)
     # One trainer per run directory: taken before anything is written there, held until the run returns.
-    with run_lock(run_dir, primary, jax.process_count()), moe_runtime(cfg, mesh, global_batch):
+    with run_lock(run_dir, primary, jax.process_count()), moe_runtime(cfg, mesh, global_batch), \
+            contextlib.ExitStack() as cleanup:
         checkpointer = Checkpointer(cfg, checkpoint_dir)
+        cleanup.callback(checkpointer.close)  # also when set-up fails: Orbax's threads must not outlive it
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
@@ -307,6 +310,7 @@ def main(argv=None) -> int:
         train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.unraisablehook = lambda *_: None  # Orbax's abandoned coroutines would print tracebacks at exit
         return 2
     except (NonFiniteError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -292,3 +292,8 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_parameter(tmp_path
     assert "['params']['dense_layers']['layers']['mlp']['wi_0'] is (1, 32, 64) there and (1, 32, 96)" in err, err
     assert "(base_mlp_dim=96 here)" in err, err
     assert sorted(os.listdir(tmp_path / "other" / "checkpoints")) == ["2"]
+    # The same for a new run started from that checkpoint's parameters.
+    source = tmp_path / "other" / "checkpoints" / "2" / "items"
+    assert main(tiny_args(argv, ["base_mlp_dim=96", "run_name=fresh", f"load_parameters_path={source}"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "(load_parameters_path) was written by another model" in err, err

@@ -65,6 +65,8 @@ MISTAKES = [
     ("a very long bad value", ["run_name=" + "y" * 5000], "must be a plain name"),
     ("output directory under a file", args(TINY, ["base_output_directory=README.md"]), "cannot use run directory"),
     ("checkpoint directory is a file", args(TINY, ["run_name=ckfile"]), "cannot write checkpoints to"),
+    ("parameters from a non-checkpoint", args(TINY, ["load_parameters_path=configs"]), "is not an Orbax checkpoint"),
+    ("full state from nowhere", args(TINY, ["load_full_state_path=/nope/items"]), "/nope/items does not exist"),
 ]
 
 
