@@ -78,8 +78,9 @@ def open_builder(cfg) -> tfds.core.DatasetBuilder:
         except tfds.core.registered.DatasetNotFoundError:
             raise ConfigError(f"dataset_name={name}: TFDS has no such dataset and none is prepared in dataset_path "
                               f"{root}; check the name ({fix})") from None
-        except ValueError as e:  # e.g. an unknown config or version in name/config:version
-            raise ConfigError(f"dataset_name={name}: {str(e).splitlines()[0].rstrip(' :')}") from None
+        except (ValueError, AssertionError) as e:  # an unknown config or version in name/config:version
+            reason = (str(e).splitlines() or [type(e).__name__])[0].rstrip(" :")
+            raise ConfigError(f"dataset_name={name} in dataset_path {root}: {reason[:300]}") from None
         if not prepared:
             raise ConfigError(f"dataset_name={name} is not prepared in dataset_path {root}; {fix}")
     if "text" not in builder.info.features:
