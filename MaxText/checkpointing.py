@@ -204,6 +204,8 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         if CHECKSUMS in present:
             verify(restored[ITEM], restored[CHECKSUMS])
+        if INPUT in present and not _well_formed_input(restored[INPUT]):
+            raise ValueError(f"its input position file ({INPUT}/) is malformed")
         return restored[ITEM], restored[INPUT] if INPUT in present else None
 
     def restore_latest(self, abstract_state, log):
@@ -267,6 +269,13 @@ def _gather_json(obj) -> list:
     padded = np.frombuffer(data.ljust(int(np.max(sizes))), np.uint8)
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[:int(size)]).decode()) for row, size in zip(rows, np.ravel(sizes))]
+
+
+def _well_formed_input(saved) -> bool:
+    """{"process_count": P, "positions": [P dicts]}, as save() writes it."""
+    return (isinstance(saved, dict) and type(saved.get("process_count")) is int
+            and isinstance(saved.get("positions"), list) and len(saved["positions"]) == saved["process_count"]
+            and all(isinstance(p, dict) for p in saved["positions"]))
 
 
 def _item_dir(path: str, key: str) -> str:

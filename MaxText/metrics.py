@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from MaxText.config import layer_counts
+from MaxText.config import ConfigError, layer_counts
 
 # Dense bf16 peak TFLOP/s per device (no sparsity), matched as a substring of jax's device_kind;
 # longer names first so 'GH200' is not read as 'H200'. Unknown devices (and CPUs) get no MFU.
@@ -81,7 +81,13 @@ class MetricsWriter:
         if not primary:
             return
         os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        self.jsonl = open(os.path.join(run_dir, "metrics", "metrics.jsonl"), "a")
+        # Never through a symlink: the run's own file, not one it points elsewhere.
+        path = os.path.join(run_dir, "metrics", "metrics.jsonl")
+        try:
+            self.jsonl = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "a")
+        except OSError as e:
+            raise ConfigError(f"cannot append to {path}: {e.strerror} (the trainer never writes through a symlink); "
+                              "remove it or choose another run_name") from None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))

@@ -297,3 +297,29 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_parameter(tmp_path
     assert main(tiny_args(argv, ["base_mlp_dim=96", "run_name=fresh", f"load_parameters_path={source}"])) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "(load_parameters_path) was written by another model" in err, err
+
+
+def test_a_malformed_input_position_file_falls_back_like_an_unreadable_step(tmp_path):
+    """<step>/input holding valid JSON of the wrong shape used to raise when the run resumed; now the step is
+    set aside with a warning and the previous one restored."""
+    argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=pos", "steps=2", "checkpoint_period=1",
+                            "async_checkpointing=false"])
+    train_records(load_config(argv))
+    (tmp_path / "pos" / "checkpoints" / "2" / "input" / "metadata").write_text('{"positions": "garbage"}')
+    lines = []
+    train(load_config(tiny_args(argv, ["steps=3"])), log=lines.append)
+    warning = next((line for line in lines if line.startswith("warning: checkpoint")), lines)
+    assert "input position file (input/) is malformed" in warning, warning
+    assert any(line.startswith("resuming from") and line.endswith("checkpoints/1") for line in lines), lines
+
+
+def test_metrics_are_never_written_through_a_symlink(tmp_path, capsys):
+    """A metrics.jsonl that is a symlink (to a file elsewhere) is refused in one line, and the target is untouched."""
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep\n")
+    (tmp_path / "sym" / "metrics").mkdir(parents=True)
+    (tmp_path / "sym" / "metrics" / "metrics.jsonl").symlink_to(target)
+    assert main(tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=sym", "steps=1"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot append to") and "symlink" in err and "\n" not in err, err
+    assert target.read_text() == "keep\n"
