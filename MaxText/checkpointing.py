@@ -45,10 +45,8 @@ def _array_checksum(x):
     import jax.numpy as jnp
     from jax import lax
 
-    if x.dtype.itemsize == 8:
-        bits = lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
-    elif x.dtype.itemsize == 4:
-        bits = lax.bitcast_convert_type(x, jnp.uint32)
+    if x.dtype.itemsize in (4, 8):
+        bits = lax.bitcast_convert_type(x, jnp.uint32)  # 8-byte elements: [..., 2]
     elif x.dtype.itemsize == 2:
         bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     else:
@@ -107,6 +105,12 @@ def _checksums_jit():
     return jax.jit(lambda arrays: [_array_checksum(a) for a in arrays])
 
 
+def _describe(error: Exception) -> str:
+    """'Type: first line of the message' (at most 300 characters of it), or 'Type' when there is none."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
 def verify(state, saved: dict) -> None:
     """Raises ChecksumMismatch naming the first array of `state` whose checksum differs from `saved`."""
     arrays = saved.get("arrays", {})
@@ -131,6 +135,7 @@ class Checkpointer:
         self.directory = checkpoint_dir
         self.asynchronous = cfg.async_checkpointing
         self.pending = None  # the step of an async save not yet known to be durable
+        self.closed = False
         if self.enabled:  # a directory that cannot take a checkpoint is a start-up error, not a late surprise
             try:
                 os.makedirs(checkpoint_dir, exist_ok=True)
@@ -187,26 +192,29 @@ class Checkpointer:
         return step
 
     def _failure(self, step: int, error: Exception) -> str:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         durable = [s for s in (self.manager.all_steps() if self.manager else []) if s != step]
-        return (f"saving checkpoint {self.directory}/{step} failed ({type(error).__name__}: {reason}); the newest "
+        return (f"saving checkpoint {self.directory}/{step} failed ({_describe(error)}); the newest "
                 f"durable checkpoint is " + (f"{self.directory}/{max(durable)}" if durable else "none"))
 
     def restore(self, step: int, abstract_state):
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
         verified against the step's checksums (steps saved before checksums existed restore unverified)."""
-        present = {name for name in (INPUT, CHECKSUMS) if os.path.isdir(os.path.join(self.directory, str(step), name))}
-        if CHECKSUMS in present:  # a checkpoint of another model is a config mistake, not a damaged step
-            saved = self.manager.restore(step, args=ocp.args.Composite(**{CHECKSUMS: ocp.args.JsonRestore()}))
-            check_shapes(abstract_state, saved[CHECKSUMS], self.cfg, f"{self.directory}/{step}")
+        step_dir = os.path.join(self.directory, str(step))
+        manifest = None
+        if os.path.isdir(os.path.join(step_dir, CHECKSUMS)):  # read first: another model's checkpoint is a config
+            manifest = self.manager.restore(  # mistake, not a damaged step
+                step, args=ocp.args.Composite(**{CHECKSUMS: ocp.args.JsonRestore()}))[CHECKSUMS]
+            check_shapes(abstract_state, manifest, self.cfg, f"{self.directory}/{step}")
+        has_input = os.path.isdir(os.path.join(step_dir, INPUT))
         items = {ITEM: ocp.args.StandardRestore(abstract_state)}
-        items.update({name: ocp.args.JsonRestore() for name in present})
+        if has_input:
+            items[INPUT] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        if CHECKSUMS in present:
-            verify(restored[ITEM], restored[CHECKSUMS])
-        if INPUT in present and not _well_formed_input(restored[INPUT]):
+        if manifest is not None:
+            verify(restored[ITEM], manifest)
+        if has_input and not _well_formed_input(restored[INPUT]):
             raise ValueError(f"its input position file ({INPUT}/) is malformed")
-        return restored[ITEM], restored[INPUT] if INPUT in present else None
+        return restored[ITEM], restored[INPUT] if has_input else None
 
     def restore_latest(self, abstract_state, log):
         """(step, restore()) of the newest readable step, or None when there is no step. Unreadable newer steps are
@@ -219,8 +227,7 @@ class Checkpointer:
             except ConfigError:
                 raise  # the config does not match the run's checkpoints: no older step will either
             except Exception as e:  # noqa: BLE001 -- any failure to read a step is reported, then the next tried
-                reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-                failures.append((step, f"{type(e).__name__}: {reason}"))
+                failures.append((step, _describe(e)))
                 log(f"warning: checkpoint {self.directory}/{step} cannot be restored ({failures[-1][1]}); "
                     "trying the previous one")
                 continue
@@ -245,7 +252,7 @@ class Checkpointer:
 
     def close(self):
         """Waits for any async save to finish (CheckpointError if it failed). Idempotent."""
-        if self.manager and not getattr(self, "closed", False):
+        if self.manager and not self.closed:
             self.closed = True
             try:
                 self.manager.wait_until_finished()
@@ -311,9 +318,7 @@ def _restoring(key: str, path: str):
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - Orbax's errors are many and long: one line of the first
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise ConfigError(f"{key}={path} cannot be restored into this model ({type(e).__name__}: {reason})") \
-                from None
+            raise ConfigError(f"{key}={path} cannot be restored into this model ({_describe(e)})") from None
     return guard()
 
 

@@ -164,6 +164,7 @@ def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
 # Command-line numbers and booleans are read by their key's type, not by YAML 1.1, which takes 010 for 8
 # (octal), 1:30 for 90 (base 60) and yes/on for true.
 _INT = re.compile(r"[+-]?[0-9]+")
+COMMAND_LINE = "on the command line"  # _merge's origin for key=value arguments
 _BOOLS = {"true": True, "false": False}
 
 
@@ -203,7 +204,7 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
     optional = key in OPTIONAL_KEY_TYPES
     if isinstance(value, str) and optional and value.strip() in ("null", "None", "~", ""):
         value = None
-    elif isinstance(value, str) and origin == "on the command line" and want in (int, float, bool):
+    elif isinstance(value, str) and origin == COMMAND_LINE and want in (int, float, bool):
         value = _command_line_scalar(want, value)
     elif isinstance(value, str) and want is not str:
         try:
@@ -293,7 +294,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
 
     for path, layer in files:
         _merge(values, layer, defaults, f"in {path}")
-    _merge(values, overrides, defaults, "on the command line")
+    _merge(values, overrides, defaults, COMMAND_LINE)
     explicit_moe_impl = "moe_impl" in overrides or any("moe_impl" in layer for _, layer in files)
     _map_upstream_spellings(values, explicit_moe_impl)
     for key in MINUS_ONE_IS_UNSET:

@@ -193,7 +193,6 @@ def _train(cfg, log, devices, stop) -> dict | None:
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
-            checkpointer.close()
             return None
         data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), state=position)
         batch_sharding = sharding.batch_sharding(mesh)
@@ -209,7 +208,6 @@ def _train(cfg, log, devices, stop) -> dict | None:
             log("SIGTERM during set-up, before the first step: nothing to save; stopping")
             progress.close()
             writer.close()
-            checkpointer.close()
             return None
         last_record, pending = None, None
         last_done = time.perf_counter()
@@ -275,7 +273,6 @@ def _train(cfg, log, devices, stop) -> dict | None:
             profiler.stop()
             progress.close()
             writer.close()
-            checkpointer.close()
     return last_record
 
 

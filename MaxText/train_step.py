@@ -79,8 +79,9 @@ def train_step(state, batch, *, graphdef, cfg, tx):
     }
     if cfg.mtp_num_layers:
         metrics["mtp_loss"] = aux["mtp_loss"]
-    if router_layers(aux):
-        metrics.update(moe_metrics(router_layers(aux)))
+    routers = router_layers(aux)
+    if routers:
+        metrics.update(moe_metrics(routers))
     return new_state, metrics
 
 

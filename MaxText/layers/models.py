@@ -79,16 +79,13 @@ def update_moe_bias(aux: dict, load_LE, rate: float, mtp_load_KE=None) -> dict:
             continue
         load = mtp_load_KE if is_mtp else load_LE
         name = "mtp_load_KE" if is_mtp else "load_LE"
-        if len(members) == 1 and flat[members[0]][1].ndim == 2:  # a scanned stack
-            rows = [load]
-        else:
-            members = sorted(members, key=lambda i: [int(n) for k in flat[i][0]
-                                                     for n in re.findall(r"\d+", str(getattr(k, "key", k)))])
-            rows = [None if load is None else load[j] for j in range(len(members))]
+        members = sorted(members, key=lambda i: [int(n) for k in flat[i][0]
+                                                 for n in re.findall(r"\d+", str(getattr(k, "key", k)))])
         count = sum(b.shape[0] if b.ndim == 2 else 1 for b in (flat[i][1] for i in members))
         if load is None or load.shape[0] != count:
             raise ValueError(f"update_moe_bias: {count} MoE routing bias rows but {name} has "
                              f"{None if load is None else load.shape[0]}")
-        for i, row in zip(members, rows):
-            new[i] = bias_update(flat[i][1], row, rate)
+        for row, i in enumerate(members):  # a scanned stack's one [L, E] bias takes the whole load
+            bias = flat[i][1]
+            new[i] = bias_update(bias, load if bias.ndim == 2 else load[row], rate)
     return jax.tree_util.tree_unflatten(treedef, new)

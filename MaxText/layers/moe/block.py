@@ -31,7 +31,6 @@ class MoeBias(nnx.Variable):
 MOE_FFNS = {"dense": dense.moe_ffn, "ragged": ragged.moe_ffn, "te_dropless": te_dropless.moe_ffn}
 # moe_impl -> route(x_TD, gate_DE, bias_E, cfg); te_dropless selects experts with its kernel set's router.
 ROUTERS = {"te_dropless": te_dropless.route}
-IMPL_STATS = ("dropped_fraction", "overflow")  # overflow / real slots, and overflow, in every impl
 
 
 class MoeBlock(nnx.Module):
@@ -53,7 +52,8 @@ class MoeBlock(nnx.Module):
         self.rules = rules
 
     def __call__(self, x_BLD, segment_ids_BL=None):
-        """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean, IMPL_STATS.
+        """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean,
+        overflow (real token-slots that got no expert output) and dropped_fraction (overflow / real slots).
         Tokens with segment id 0 are padding: routed, but no load (see router.route)."""
         b, l, d = x_BLD.shape
         x_TD = x_BLD.reshape(b * l, d)
