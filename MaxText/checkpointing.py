@@ -14,6 +14,12 @@ Verified, not trusted: every step also saves <step>/checksums (JSON), one 32-bit
 train state, computed on the devices from the arrays' bits (state_checksums). A restore recomputes them and
 treats any mismatch like an unreadable step, naming the array: bytes changed inside an array file used to
 restore silently as garbage (the data files are not compressed, so nothing else notices).
+
+Every wait is bounded: Orbax always saves in its background thread here (async_checkpointing=false then
+waits for the save before training goes on) with checkpoint_timeout_s as its deadline, and this module polls
+for a save's end with the same deadline (plus a grace period) instead of joining Orbax's threads. A save that
+misses it is a SaveTimeout: the run stops with one line, and main() exits without waiting for the stuck
+writer threads.
 """
 
 from __future__ import annotations
@@ -125,30 +131,42 @@ class CheckpointError(RuntimeError):
     newest durable checkpoint."""
 
 
+class SaveTimeout(CheckpointError):
+    """A save was not durable within checkpoint_timeout_s; Orbax's writer threads may still be stuck in it."""
+
+
+# Beyond checkpoint_timeout_s, how long this module's own poll waits for Orbax's (bounded) threads to return
+# (at most checkpoint_timeout_s again).
+GRACE_S = 60.0
+
+
 class Checkpointer:
     """A CheckpointManager for this run's checkpoint directory, saving the whole train state as `items`."""
 
-    def __init__(self, cfg, checkpoint_dir: str):
+    def __init__(self, cfg, checkpoint_dir: str, log=print):
         self.cfg = cfg
+        self.log = log
+        _quiet_orbax_failures()
         self.enabled = cfg.enable_checkpointing
         self.period = cfg.checkpoint_period
         self.directory = checkpoint_dir
         self.asynchronous = cfg.async_checkpointing
-        self.pending = None  # the step of an async save not yet known to be durable
+        self.timeout = cfg.checkpoint_timeout_s
+        self.pending = None  # (step, when it began) of a save not yet known to be durable
         self.closed = False
         if self.enabled:  # a directory that cannot take a checkpoint is a start-up error, not a late surprise
             try:
                 os.makedirs(checkpoint_dir, exist_ok=True)
-                probe = os.path.join(checkpoint_dir, f".write-test-{os.getpid()}")
-                with open(probe, "w") as f:
-                    f.write("ok")
+                probe = os.path.join(checkpoint_dir, f".write-test-{os.getpid()}-{time.time_ns()}")
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # a new file
                 os.remove(probe)
             except OSError as e:
                 raise ConfigError(f"cannot write checkpoints to {checkpoint_dir}: {e.strerror}; fix its permissions or "
                                   "set base_output_directory (or enable_checkpointing=false)") from None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_num_checkpoints_to_keep,
-            enable_async_checkpointing=cfg.async_checkpointing,
+            enable_async_checkpointing=True,  # always: only a background save can be waited for with a deadline
+            async_options=ocp.AsyncOptions(timeout_secs=cfg.checkpoint_timeout_s),
             create=True,
             cleanup_tmp_directories=True,  # what a killed save left behind
         )
@@ -173,23 +191,54 @@ class Checkpointer:
         if input_state is not None:
             items[INPUT] = ocp.args.JsonSave({"process_count": jax.process_count(),
                                               "positions": _gather_json(input_state)})
+        self.wait()  # the previous save first, with its deadline (Orbax's save() would join it unbounded)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001 - a failed save is one line, never hundreds of traceback lines
             raise CheckpointError(self._failure(step, e)) from None
-        self.pending = step if self.asynchronous else None
+        self.pending = (step, time.monotonic())
+        if self.asynchronous:
+            self.log(f"saving checkpoint {self.directory}/{step} in the background")
+        else:
+            self.wait()
+
+    def _durable(self, step: int) -> int:
+        self.log(f"saved checkpoint {self.directory}/{step}" + (" (durable)" if self.asynchronous else ""))
+        return step
 
     def poll(self) -> int | None:
-        """The step of an async save that has become durable since the last call (then forgotten), else None;
-        raises CheckpointError as soon as that save is known to have failed."""
-        if self.pending is None or self.manager.is_saving_in_progress():
+        """The step of a save that has become durable since the last call (logged, then forgotten), else None;
+        raises CheckpointError as soon as that save is known to have failed, SaveTimeout once it is past its
+        deadline."""
+        if self.pending is None:
             return None
-        step, self.pending = self.pending, None
+        step, began = self.pending
+        if self.manager.is_saving_in_progress():
+            limit = self.timeout + min(GRACE_S, self.timeout)
+            if time.monotonic() - began > limit:
+                raise SaveTimeout(self._failure(step, TimeoutError(
+                    f"not durable after {limit:.0f} s; checkpoint_timeout_s={self.timeout}")))
+            return None
+        self.pending = None
         try:
+            self.manager.wait_until_finished()  # the finalize thread has ended: returns at once, or re-raises
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, TimeoutError):  # Orbax's own deadline (checkpoint_timeout_s) passed
+                raise SaveTimeout(self._failure(step, TimeoutError(
+                    f"not durable after {self.timeout} s; checkpoint_timeout_s={self.timeout}"))) from None
             raise CheckpointError(self._failure(step, e)) from None
-        return step
+        return self._durable(step)
+
+    def wait(self) -> int | None:
+        """poll() until the pending save, if any, is durable (its step) or has failed or missed its deadline
+        (raises). Never much longer than checkpoint_timeout_s + GRACE_S after the save began."""
+        while self.pending is not None:
+            durable = self.poll()
+            if durable is not None:
+                return durable
+            time.sleep(0.05)
+        return None
 
     def _failure(self, step: int, error: Exception) -> str:
         durable = [s for s in (self.manager.all_steps() if self.manager else []) if s != step]
@@ -251,15 +300,33 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self):
-        """Waits for any async save to finish (CheckpointError if it failed). Idempotent."""
+        """Waits (bounded) for a pending save (CheckpointError if it failed), then closes Orbax's manager; after
+        a SaveTimeout the manager is left open, as closing it would join its stuck threads. Idempotent."""
         if self.manager and not self.closed:
-            self.closed = True
+            self.closed, timed_out = True, False
             try:
-                self.manager.wait_until_finished()
-                if self.pending is not None:
-                    self.poll()
+                self.wait()
+            except SaveTimeout:
+                timed_out = True
+                raise
             finally:
-                self.manager.close()
+                if not timed_out:
+                    self.manager.close()
+
+
+class _DropOrbaxTracebacks:
+    """A logging filter: Orbax's logged tracebacks of a failed save or restore (this module reports each failure
+    in one line instead)."""
+
+    def filter(self, record) -> bool:
+        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+@functools.cache
+def _quiet_orbax_failures() -> None:
+    import logging
+
+    logging.getLogger("absl").addFilter(_DropOrbaxTracebacks())
 
 
 def _gather_json(obj) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 
 import numpy as np
 
@@ -90,7 +91,8 @@ class MetricsWriter:
                               "remove it or choose another run_name") from None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # A random suffix: the events file (opened "wb") has a name nobody can have placed a symlink at.
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{secrets.token_hex(4)}")
 
     def write(self, step: int, metrics: dict) -> dict:
         """Writes the metrics of `step`. Arrays become lists in JSON; in TensorBoard a per-layer array [L]

@@ -33,6 +33,9 @@ GIB = 2.0 ** 30
 # Memory a step needs beyond what is counted here (XLA workspace, cuBLAS/NCCL buffers, fragmentation):
 # a plan within this fraction of HBM "fits"; above it, up to 100%, it is "tight".
 HEADROOM = 0.90
+# How far the total here may be from what XLA will allocate (an assumption until measured on GPUs): the
+# trainer refuses a run at start-up only when even the total less this fraction exceeds the device memory.
+ESTIMATE_MARGIN = 0.25
 # Usable HBM per GPU (GiB), as nvidia-smi reports it, for hbm_gib when the config does not set it.
 KNOWN_HBM_GIB = {"H100": 79.6, "H200": 140.4, "B200": 178.4, "GB200": 184.0, "GB300": 277.0}
 
@@ -300,6 +303,35 @@ def planned_devices(cfg) -> int:
     return jax.device_count()
 
 
+def device_bytes(cfg, spec, mesh_shape: dict, num_devices: int) -> tuple[dict, dict]:
+    """(state_bytes with "activations" added, activation_bytes): what one device holds during a step."""
+    memory = state_bytes(cfg, spec, mesh_shape)
+    acts = activation_bytes(cfg, mesh_shape, num_devices)
+    memory["activations"] = acts["saved"] + acts["transient"]
+    return memory, acts
+
+
+def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
+    """The trainer's start-up check against the local device's memory (else hbm_gib; neither: no check).
+    ConfigError with the estimate and the limit when even the estimate less ESTIMATE_MARGIN does not fit (XLA
+    would fail or hang allocating); a warning line when the estimate alone exceeds HEADROOM of it."""
+    hbm = default_hbm_gib() or cfg.hbm_gib
+    if not hbm:
+        return
+    memory = device_bytes(cfg, spec, mesh_shape, num_devices)[0]
+    total, limit = sum(memory.values()), hbm * GIB
+    state = memory["params"] + memory["gradients"] + memory["optimizer"]
+    parts = f"params, gradients and optimizer {state / GIB:.3g}, activations {memory['activations'] / GIB:.3g}"
+    if total * (1 - ESTIMATE_MARGIN) > limit:
+        raise ConfigError(
+            f"this run needs about {total / GIB:.3g} GiB per device ({parts}) and a device has {hbm:.3g} GiB "
+            f"(even {ESTIMATE_MARGIN:.0%} less would not fit); lower per_device_batch_size, spread the model over "
+            "more devices or offload more (python -m MaxText.plan with the same arguments shows the parts)")
+    if total > limit * HEADROOM:
+        log(f"warning: this run needs about {total / GIB:.3g} GiB per device ({parts}) of {hbm:.3g} GiB; it may "
+            "not fit (python -m MaxText.plan shows the parts)")
+
+
 def plan(cfg, hbm_gib: float | None = None) -> dict:
     """Everything the console table and --json show, in bytes per device unless named otherwise; the verdict
     against hbm_gib, else cfg.hbm_gib, else the local device's memory."""
@@ -307,9 +339,7 @@ def plan(cfg, hbm_gib: float | None = None) -> dict:
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
     spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
     counts = parameter_counts(cfg, spec.abstract["params"])
-    memory = state_bytes(cfg, spec, mesh_shape)
-    acts = activation_bytes(cfg, mesh_shape, num_devices)
-    memory["activations"] = acts["saved"] + acts["transient"]
+    memory, acts = device_bytes(cfg, spec, mesh_shape, num_devices)
     device_total = sum(memory.values())
     hbm = hbm_gib or cfg.hbm_gib or default_hbm_gib()
     verdict = None

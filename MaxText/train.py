@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
+
+if __name__ == "__main__":  # from the first import on, a scheduler's SIGTERM only asks the run to stop (StopFlag)
+    _EARLY_SIGTERM = []
+    signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.append(True))
 
 from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
 from MaxText.run_lock import automatic_run_name, run_lock
@@ -55,27 +60,32 @@ class NonFiniteError(RuntimeError):
 
 class StopFlag:
     """Set by SIGTERM (what schedulers send before preemption): the loop checkpoints at the next step
-    boundary and returns. Installed only in the main thread; the previous handler comes back on exit."""
+    boundary and returns. Installed only in the main thread; the previous handler comes back on exit. Under
+    `python -m MaxText.train` a SIGTERM that came during the imports, before main() ran, sets it too."""
 
     def __init__(self):
         self.set, self.previous = False, None
 
     def __enter__(self):
-        import signal
         import threading
 
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, self._handle)
+        self.set = bool(globals().get("_EARLY_SIGTERM"))  # read after taking over: none is lost in between
         return self
 
     def _handle(self, signum, frame):
         self.set = True
 
     def __exit__(self, *exc):
-        import signal
-
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
+
+    def before_first_step(self, log) -> bool:
+        """True (and says so) when a SIGTERM came before the first step: there is nothing to save."""
+        if self.set:
+            log("SIGTERM during set-up, before the first step: nothing to save; stopping")
+        return self.set
 
 
 def input_position(saved, step: int, log):
@@ -147,10 +157,13 @@ class Evaluator:
         return record
 
 
-def train(cfg, log=print, devices=None) -> dict | None:
+def train(cfg, log=print, devices=None, stop: StopFlag | None = None) -> dict | None:
     """Runs the training loop to cfg.steps on `devices` (default: all); returns the last logged metrics
-    record (None if no step ran). SIGTERM at any moment from here on stops the run cleanly: during set-up
-    (nothing to save), during a step or its compile (that step is checkpointed), during a save."""
+    record (None if no step ran). SIGTERM at any moment from here on (from main()'s start when `stop` is
+    main's) stops the run cleanly: during set-up (nothing to save), during a step or its compile (that step is
+    checkpointed), during a save."""
+    if stop is not None:
+        return _train(cfg, log, devices, stop)
     with StopFlag() as stop:
         return _train(cfg, log, devices, stop)
 
@@ -168,6 +181,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
+    if stop.before_first_step(log):
+        return None
     check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime checks too)
     validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
@@ -184,12 +199,17 @@ def _train(cfg, log, devices, stop) -> dict | None:
         f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
 
     spec = state_spec(cfg, mesh)
+    from MaxText.plan import check_fits  # too big is a one-line error here, not a hang in XLA's allocator
+
+    check_fits(cfg, spec, dict(mesh.shape), num_devices, log)
     # One trainer per run directory: taken before anything is written there, held until the run returns.
     with run_lock(run_dir, primary, jax.process_count()), moe_runtime(cfg, mesh, global_batch), \
             contextlib.ExitStack() as cleanup:
-        checkpointer = Checkpointer(cfg, checkpoint_dir)
+        checkpointer = Checkpointer(cfg, checkpoint_dir, log)
         cleanup.callback(checkpointer.close)  # also when set-up fails: Orbax's threads must not outlive it
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
+        if stop.before_first_step(log):  # a restore can take minutes
+            return None
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
@@ -204,8 +224,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
                              dynamic_ncols=True, leave=False)
         profiler = Profiler(cfg, run_dir, start, log)
-        if stop.set:
-            log("SIGTERM during set-up, before the first step: nothing to save; stopping")
+        if stop.before_first_step(log):
             progress.close()
             writer.close()
             return None
@@ -251,12 +270,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
                 stopping = stop.set and step + 1 < cfg.steps
                 if checkpointer.due(step + 1, last=step + 1 == cfg.steps) or (stopping and checkpointer.enabled):
                     settle()  # a state is saved only once its step is known to be finite
-                    checkpointer.save(step + 1, state, data.state())
-                    log(f"saving checkpoint {checkpoint_dir}/{step + 1} in the background" if checkpointer.pending
-                        else f"saved checkpoint {checkpoint_dir}/{step + 1}")
-                durable = checkpointer.poll()
-                if durable is not None:
-                    log(f"saved checkpoint {checkpoint_dir}/{durable} (durable)")
+                    checkpointer.save(step + 1, state, data.state())  # logs when it is durable
+                checkpointer.poll()
                 if evaluate and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
                     settle()  # the step's own record first
                     record = writer.write(step + 1, evaluate(state))
@@ -277,7 +292,11 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    with StopFlag() as stop:  # SIGTERM from here on exits 0 (see train)
+        return _main(sys.argv[1:] if argv is None else argv, stop)
+
+
+def _main(argv, stop) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\nEvery key, with its default and meaning: configs/base.yml")
         return 0
@@ -294,7 +313,7 @@ def main(argv=None) -> int:
             print(f"error: xla_flags: {problems[0].message}", file=sys.stderr)
             return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
-    from MaxText.checkpointing import CheckpointError
+    from MaxText.checkpointing import CheckpointError, SaveTimeout
 
     try:
         maybe_initialize_distributed(cfg)
@@ -304,13 +323,17 @@ def main(argv=None) -> int:
                                   "a different timestamp); add run_name=<name>")
             with cfg.unlocked():
                 cfg.run_name = automatic_run_name()
-        train(cfg)
+        train(cfg, stop=stop)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.unraisablehook = lambda *_: None  # Orbax's abandoned coroutines would print tracebacks at exit
         return 2
     except (NonFiniteError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, SaveTimeout):  # Orbax's writer threads may be stuck for good: exit without joining them
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     return 0
 

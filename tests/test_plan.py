@@ -49,6 +49,31 @@ def test_activation_estimate_within_25_percent_of_compiled_train_step(case):
     assert abs(estimate / measured - 1) <= 0.25, f"{case}: plan {estimate / 1e6:.2f} MB, XLA {measured / 1e6:.2f} MB"
 
 
+def test_start_up_refuses_only_beyond_the_estimate_margin():
+    """check_fits (the trainer's start-up check): an estimate 1.2x the device memory is a warning (it is within
+    the plan's 25% error), 1.5x is a one-line ConfigError giving the estimate and the limit; within HEADROOM
+    nothing is said."""
+    from MaxText.config import ConfigError
+
+    cfg = load_config(args(COMMON, ["model_name=deepseek3-tiny"]))
+    mesh_shape = sharding.mesh_shape(cfg, 1)
+    spec = state_spec(cfg, plan.abstract_mesh(mesh_shape))
+    total = sum(plan.device_bytes(cfg, spec, mesh_shape, 1)[0].values())
+    for ratio, expect in [(0.5, None), (1.2, "warning"), (1.5, "error")]:
+        hbm = total / ratio / plan.GIB
+        with cfg.unlocked():
+            cfg.hbm_gib = hbm
+        lines = []
+        if expect == "error":
+            with pytest.raises(ConfigError) as e:
+                plan.check_fits(cfg, spec, mesh_shape, 1, lines.append)
+            assert f"needs about {total / plan.GIB:.3g} GiB per device" in str(e.value), e.value
+            assert f"a device has {hbm:.3g} GiB" in str(e.value) and "\n" not in str(e.value), e.value
+        else:
+            plan.check_fits(cfg, spec, mesh_shape, 1, lines.append)
+            assert [line.split(":")[0] for line in lines] == ([expect] if expect else []), lines
+
+
 def test_state_bytes_are_the_shards_the_trainer_creates():
     """Per-device params and optimizer bytes equal the shard sizes of state_spec on a real 8-device mesh."""
     cfg = load_config(["model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])

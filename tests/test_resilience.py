@@ -203,19 +203,40 @@ def test_sigkill_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_pa
     np.testing.assert_allclose([last[s] for s in range(1, 7)], full, rtol=1e-6)
 
 
-def test_sigterm_during_set_up_exits_0_with_nothing_to_save(tmp_path):
-    """SIGTERM right after the run's first log line (state creation, data, compile still ahead): exit 0 and
-    one line saying nothing was saved, or, had the first step's compile begun, that step checkpointed. The
-    default handler used to kill the process (exit -15) anywhere outside the step loop."""
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process pid has a handler for SIGTERM (Linux: bit 15 - 1 of SigCgt in /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.parametrize("when", ["imports", "set-up"])
+def test_sigterm_before_the_first_step_exits_0_with_nothing_to_save(tmp_path, when):
+    """SIGTERM during the imports (as soon as the process has a handler: its first lines under `python -m
+    MaxText.train`, before JAX or the config are loaded) or right after the run's first log line (state
+    creation, data, compile still ahead): exit 0 and one line saying nothing was saved, or, had the first step's
+    compile begun, that step checkpointed. The default handler used to kill the process (exit -15) anywhere
+    outside train()."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
     args = [sys.executable, "-m", "MaxText.train", *TINY, f"base_output_directory={tmp_path}", "run_name=early",
             "steps=100000", "checkpoint_period=100000"]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = proc.stdout.readline()
-    assert first.startswith("run early:"), first
+    first = ""
+    if when == "imports":
+        deadline = time.time() + 60
+        while not _catches_sigterm(proc.pid) and time.time() < deadline:
+            pass
+        with open(f"/proc/{proc.pid}/maps") as f:  # the handler came before JAX was loaded (not at train())
+            assert "jaxlib" not in f.read()
+    else:
+        first = proc.stdout.readline()
+        assert first.startswith("run early:"), first
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, first + out
+    if when == "imports":  # nothing ran: no run line, no run directory
+        assert out.strip() == "SIGTERM during set-up, before the first step: nothing to save; stopping", out
+        assert not os.path.exists(tmp_path / "early")
     assert "SIGTERM during set-up, before the first step: nothing to save" in out or "SIGTERM: stopped after step 1" in out, out
     assert "Traceback" not in out, out
 
@@ -266,13 +287,16 @@ def test_a_failed_async_save_is_one_line_as_soon_as_it_is_known(tmp_path):
         def is_saving_in_progress(self):
             return False
 
+        def wait_until_finished(self):
+            pass
+
         def check_for_errors(self):
             raise OSError(28, "No space left on device")
 
         def all_steps(self):
             return [4]
 
-    checkpointer.manager, checkpointer.pending = FailedSave(), 6
+    checkpointer.manager, checkpointer.pending = FailedSave(), (6, time.monotonic())
     with pytest.raises(CheckpointError) as e:
         checkpointer.poll()
     assert str(e.value) == (f"saving checkpoint {tmp_path}/fail/checkpoints/6 failed (OSError: [Errno 28] No space "
@@ -323,3 +347,69 @@ def test_metrics_are_never_written_through_a_symlink(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot append to") and "symlink" in err and "\n" not in err, err
     assert target.read_text() == "keep\n"
+
+
+def test_other_files_the_trainer_writes_cannot_be_redirected_by_a_symlink(tmp_path):
+    """The dataset build lock is never opened through a symlink (one-line ConfigError, target untouched), and
+    TensorBoard's events file (opened "wb", truncating) has a random part in its name, so no symlink can be
+    waiting at it: two writers in the same second on the same host get different files."""
+    from MaxText.config import ConfigError
+    from MaxText.data import python_stdlib
+    from MaxText.metrics import MetricsWriter
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / ".python_stdlib.lock").symlink_to(target)
+    with pytest.raises(ConfigError, match="cannot open the dataset build lock .*symlink"):
+        python_stdlib.build(str(tmp_path / "data"), log=lambda *_: None)
+    assert target.read_text() == "keep\n"
+    for _ in range(2):
+        writer = MetricsWriter(str(tmp_path / "run"), tensorboard=True)
+        writer.close()
+    names = os.listdir(tmp_path / "run" / "tensorboard")
+    assert len(names) == 2 and all(len(name.rsplit(".", 1)[-1]) == 8 for name in names), names
+
+
+HUNG_WRITE = '''
+import sys, threading
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+class Hung:  # a write that never returns, whatever timeout it is given (a dead network mount)
+    def result(self, timeout=None):
+        threading.Event().wait()
+
+save = handler.JsonCheckpointHandler.async_save
+async def async_save(self, directory, *args, **kwargs):
+    futures = list(await save(self, directory, *args, **kwargs) or [])
+    return futures + [Hung()] if "/4" in str(directory) else futures
+handler.JsonCheckpointHandler.async_save = async_save
+from MaxText.train import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_save_that_never_finishes_stops_the_run_within_its_deadline(tmp_path, asynchronous):
+    """The write of checkpoint 4 hangs forever (past Orbax's own deadline too): the run stops within
+    checkpoint_timeout_s plus its grace with exit 1 and one error line naming the step, the timeout key and the
+    newest durable checkpoint, without waiting for the stuck thread; that checkpoint restores. It used to wait
+    unbounded in Orbax's wait_until_finished (at the next save and at exit)."""
+    driver = tmp_path / "hung.py"
+    driver.write_text(HUNG_WRITE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=hung", "steps=8", "checkpoint_period=2",
+                            "checkpoint_timeout_s=2", f"async_checkpointing={str(asynchronous).lower()}"])
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, str(driver), *argv], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line.split("\r")[-1] for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    ckpt = tmp_path / "hung" / "checkpoints"
+    assert errors[0] == (f"error: saving checkpoint {ckpt}/4 failed (TimeoutError: not durable after 4 s; "
+                         f"checkpoint_timeout_s=2); the newest durable checkpoint is {ckpt}/2"), errors
+    assert time.monotonic() - began < 120
+    rerun = subprocess.run([sys.executable, "-m", "MaxText.train", *tiny_args(argv, ["steps=2"])],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert rerun.returncode == 0 and f"resuming from {ckpt}/2" in rerun.stdout, rerun.stdout + rerun.stderr

@@ -38,6 +38,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is first
 import numpy as np  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
+from MaxText.config import ConfigError  # noqa: E402
+
 VALIDATION_MODULUS = 50  # one file in ~50 is held out
 DOCUMENT_CHARS = 2000  # a document ends at the first top-level block boundary after this many characters
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__")
@@ -143,7 +145,13 @@ def build(data_dir: str, log=print) -> PythonStdlib:
     if prepared:
         return builder
     os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, ".python_stdlib.lock"), "w") as lock:
+    path = os.path.join(data_dir, ".python_stdlib.lock")
+    try:  # never through a symlink, never truncating
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise ConfigError(f"cannot open the dataset build lock {path}: {e.strerror} (it is never followed as a "
+                          "symlink); remove it") from None
+    with os.fdopen(fd) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         builder = PythonStdlib(data_dir=data_dir)  # looks again: another process may have built it meanwhile
         with quiet_tfds():
