@@ -371,22 +371,36 @@ def test_other_files_the_trainer_writes_cannot_be_redirected_by_a_symlink(tmp_pa
     assert len(names) == 2 and all(len(name.rsplit(".", 1)[-1]) == 8 for name in names), names
 
 
-HUNG_WRITE = '''
-import sys, threading
+SLOW_WRITE = '''
+import os, signal, sys, threading
 from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
 
-class Hung:  # a write that never returns, whatever timeout it is given (a dead network mount)
+class Slow:  # checkpoint 4's write: never returns (a dead network mount), or takes 2 s with a SIGTERM meanwhile
     def result(self, timeout=None):
-        threading.Event().wait()
+        threading.Event().wait(None if sys.argv[1] == "hang" else 2)
 
 save = handler.JsonCheckpointHandler.async_save
 async def async_save(self, directory, *args, **kwargs):
     futures = list(await save(self, directory, *args, **kwargs) or [])
-    return futures + [Hung()] if "/4" in str(directory) else futures
+    if "/4" not in str(directory):
+        return futures
+    if sys.argv[1] == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return futures + [Slow()]
 handler.JsonCheckpointHandler.async_save = async_save
 from MaxText.train import main
-sys.exit(main(sys.argv[1:]))
+sys.exit(main(sys.argv[2:]))
 '''
+
+
+def _slow_write(tmp_path, mode: str, argv: list):
+    """Trains argv in a one-device process whose checkpoint 4 is written slowly (`mode`: hang or sigterm)."""
+    driver = tmp_path / "slow.py"
+    driver.write_text(SLOW_WRITE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, str(driver), mode, *argv], capture_output=True, text=True, timeout=240,
+                          env=env), env
 
 
 @pytest.mark.parametrize("asynchronous", [True, False])
@@ -395,14 +409,10 @@ def test_a_save_that_never_finishes_stops_the_run_within_its_deadline(tmp_path, 
     checkpoint_timeout_s plus its grace with exit 1 and one error line naming the step, the timeout key and the
     newest durable checkpoint, without waiting for the stuck thread; that checkpoint restores. It used to wait
     unbounded in Orbax's wait_until_finished (at the next save and at exit)."""
-    driver = tmp_path / "hung.py"
-    driver.write_text(HUNG_WRITE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=hung", "steps=8", "checkpoint_period=2",
                             "checkpoint_timeout_s=2", f"async_checkpointing={str(asynchronous).lower()}"])
     began = time.monotonic()
-    result = subprocess.run([sys.executable, str(driver), *argv], capture_output=True, text=True, timeout=240, env=env)
+    result, env = _slow_write(tmp_path, "hang", argv)
     assert result.returncode == 1, result.stdout + result.stderr
     errors = [line.split("\r")[-1] for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -413,3 +423,19 @@ def test_a_save_that_never_finishes_stops_the_run_within_its_deadline(tmp_path, 
     rerun = subprocess.run([sys.executable, "-m", "MaxText.train", *tiny_args(argv, ["steps=2"])],
                            capture_output=True, text=True, timeout=240, env=env)
     assert rerun.returncode == 0 and f"resuming from {ckpt}/2" in rerun.stdout, rerun.stdout + rerun.stderr
+
+
+def test_sigterm_during_a_save_exits_0_with_that_save_and_the_next_step_durable(tmp_path):
+    """SIGTERM while checkpoint 4 is being written (2 s): the save completes, the run stops after step 5 with
+    checkpoint 5 saved and exits 0; a rerun resumes from 5."""
+    argv = tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=term", "steps=100", "checkpoint_period=2"])
+    result, env = _slow_write(tmp_path, "sigterm", argv)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ckpt = tmp_path / "term" / "checkpoints"
+    for line in (f"saved checkpoint {ckpt}/4 (durable)", "SIGTERM: stopped after step 5",
+                 f"saved checkpoint {ckpt}/5 (durable)"):
+        assert line in result.stdout, result.stdout
+    assert sorted(os.listdir(ckpt)) == ["2", "4", "5"]
+    rerun = subprocess.run([sys.executable, "-m", "MaxText.train", *tiny_args(argv, ["steps=5"])],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert rerun.returncode == 0 and f"resuming from {ckpt}/5" in rerun.stdout, rerun.stdout + rerun.stderr
