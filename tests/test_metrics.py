@@ -60,7 +60,8 @@ def test_writer_jsonl_and_tensorboard_layout(tmp_path, monkeypatch):
     import tensorboardX
 
     made = []
-    monkeypatch.setattr(tensorboardX, "SummaryWriter", lambda logdir: made.append(FakeTensorBoard(logdir)) or made[-1])
+    monkeypatch.setattr(tensorboardX, "SummaryWriter",
+                        lambda logdir, **kwargs: made.append(FakeTensorBoard(logdir)) or made[-1])
     writer = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
     load = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     record = writer.write(7, {"loss": np.float32(2.5), "moe_overflow": np.array([0.0, 3.0]),
