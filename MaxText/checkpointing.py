@@ -179,8 +179,10 @@ class Checkpointer:
         return self.manager.latest_step() if self.manager else None
 
     def due(self, step: int, *, last: bool) -> bool:
-        """Whether step is saved: multiples of checkpoint_period and the last step (once)."""
-        return self.enabled and (last or step % self.period == 0) and step != self.latest_step()
+        """Whether step is saved: multiples of checkpoint_period and (save_checkpoint_on_completion) the last
+        step, once."""
+        return (self.enabled and ((last and self.cfg.save_checkpoint_on_completion) or step % self.period == 0)
+                and step != self.latest_step())
 
     def save(self, step: int, state, input_state: dict | None = None) -> None:
         """Saves the train state and, when given, this process's input position (every process's, gathered,

@@ -23,6 +23,8 @@ from typing import Any
 import ml_collections
 import yaml
 
+from MaxText import upstream
+
 from MaxText.hardware import GPU_PROFILES
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -52,10 +54,13 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "topk_routing_group": int,
     "te_moe_block": bool,
     "sparse_matmul": bool,
+    "decoder_block": str,
+    "tokenizer_type": str,
 }
 
 # Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
-MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group", "capacity_factor")
+MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group", "capacity_factor",
+                      "learning_rate_schedule_steps")
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
@@ -244,11 +249,93 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
     return value
 
 
-def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str) -> None:
+def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str,
+           foreign: dict[str, tuple[Any, str]]) -> None:
+    """Merges one layer's values into `values`; upstream MaxText keys this trainer does not have go to `foreign`
+    ({key: (value, origin)}) for _apply_upstream."""
     for key, value in layer.items():
-        if key not in defaults:
+        if key in defaults:
+            values[key] = _coerce(key, value, defaults[key], origin)
+        elif key in upstream.upstream_defaults():
+            foreign[key] = (_upstream_value(key, value, origin), origin)
+        else:
             raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
-        values[key] = _coerce(key, value, defaults[key], origin)
+
+
+def _show(value: Any) -> str:
+    """A value as it is written on the command line: true/false, null, '' for the empty string."""
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    return _clip(str(value)) if value != "" else "''"
+
+
+def _upstream_value(key: str, value: Any, origin: str) -> Any:
+    """An upstream key's value parsed by the type of upstream's default (loosely where that is null or a map)."""
+    default = upstream.upstream_defaults()[key]
+    if default is None or default == "None" or isinstance(default, dict):
+        if isinstance(value, str):
+            try:
+                return yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value
+        return value
+    return _coerce(key, value, default, origin)
+
+
+def _apply_upstream(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, tuple[Any, str]],
+                    explicit: set[str]) -> None:
+    """Upstream MaxText's keys and values (MaxText/upstream.py): mapped keys carried over onto ours (an error
+    when ours is also set to something else), refused keys checked to be off, no-op keys listed in one log
+    line, and upstream's spellings of our keys' values translated or refused with the reason."""
+    noop = []
+    for key, (value, origin) in foreign.items():
+        if key in upstream.MAPPINGS:
+            ours = upstream.MAPPINGS[key]
+            carried = _coerce(ours, value, defaults[ours], origin)
+            if ours in explicit and values[ours] != carried:
+                raise ConfigError(f"{key}={_show(value)} ({origin}) is MaxText's spelling of {ours}, but "
+                                  f"{ours}={_show(values[ours])} is also set; keep one")
+            values[ours] = carried
+            logging.warning("config: %s=%s is MaxText's spelling of %s; using %s=%s", key, _show(value), ours, ours,
+                            _show(carried))
+            continue
+        group = upstream.group_of(key)
+        if group.kind == upstream.NOOP:
+            noop.append(key)
+            continue
+        accepted = upstream.accepted_values(key, group)
+        if value not in accepted:
+            raise ConfigError(f"{key}={_show(value)} ({origin}) is a MaxText key this trainer does not support: "
+                              f"{group.reason}; remove it or set {key}={_show(accepted[0])}")
+    if noop:
+        logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
+                        ", ".join(sorted(noop)))
+    for key in ("attention_type", "attention", "te_gmm_quantization", "routed_score_func", "hardware",
+                "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy"):
+        value = values[key]
+        if (key, value) in upstream.REFUSED_VALUES:
+            raise ConfigError(f"{key}={value} is a MaxText value this trainer does not support: "
+                              f"{upstream.REFUSED_VALUES[key, value]}")
+        if (key, value) in upstream.VALUE_SPELLINGS:
+            values[key], note = upstream.VALUE_SPELLINGS[key, value]
+            logging.warning("config: %s=%s is MaxText's value for %s; using %s=%s", key, _show(value), note, key,
+                            values[key])
+    if values["logical_axis_rules"] == upstream.upstream_defaults()["logical_axis_rules"]:  # a copied base.yml
+        values["logical_axis_rules"] = defaults["logical_axis_rules"]
+        logging.warning("config: logical_axis_rules is MaxText's default (over its own mesh axes); using this "
+                        "trainer's default rules")
+    policy = upstream.REMAT_POLICIES.get(values["remat_policy"])
+    if policy is not None:
+        saved, note = policy
+        name = values["remat_policy"]
+        if saved == "minimal":
+            values["remat_policy"] = "minimal"
+        else:
+            values["remat_policy"] = "custom"
+            values.update({tensor: saved.get(tensor, "remat") for tensor in REMAT_TENSOR_NAMES})
+        logging.warning("config: remat_policy=%s is MaxText's policy; using remat_policy=%s%s%s", name,
+                        values["remat_policy"], "".join(f" {t}={loc}" for t, loc in saved.items())
+                        if saved != "minimal" else "", f" ({note})" if note else "")
 
 
 def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -276,7 +363,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     if model_name is None:
         for _, layer in chain:
             model_name = layer.get("model_name", model_name)
-    if model_name not in (None, "", "null"):
+    if model_name not in (None, "", "null", "default"):
         model_name = str(model_name)
         explicit = model_name.endswith((".yml", ".yaml"))  # a model file anywhere, given by its path
         if not explicit and not PLAIN_NAME.fullmatch(model_name):
@@ -292,11 +379,15 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
             raise ConfigError(f"model_name={model_name}: no file {model_path}{_nearest(str(model_name), known)}")
         files.insert(0, (model_path, _read_yaml(model_path)))
 
+    foreign: dict[str, tuple[Any, str]] = {}
     for path, layer in files:
-        _merge(values, layer, defaults, f"in {path}")
-    _merge(values, overrides, defaults, COMMAND_LINE)
-    explicit_moe_impl = "moe_impl" in overrides or any("moe_impl" in layer for _, layer in files)
-    _map_upstream_spellings(values, explicit_moe_impl)
+        _merge(values, layer, defaults, f"in {path}", foreign)
+    _merge(values, overrides, defaults, COMMAND_LINE, foreign)
+    explicit = set(overrides).union(*(layer for _, layer in files))
+    _apply_upstream(values, defaults, foreign, explicit)
+    _map_upstream_spellings(values, "moe_impl" in explicit)
+    if values["model_name"] == "default":  # upstream's name for "no model file"
+        values["model_name"] = None
     for key in MINUS_ONE_IS_UNSET:
         if values[key] == -1:
             values[key] = None
@@ -396,8 +487,10 @@ def check_positive(cfg) -> None:
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
                 "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
                 "eval_steps", "profiler_steps", "checkpoint_timeout_s"):
-        if cfg[key] is not None and cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be at least 1")
+        minus_one_ok = key == "eval_steps" or (key == "base_moe_mlp_dim" and cfg.num_experts == 1)  # MaxText's -1
+        if cfg[key] is not None and cfg[key] < 1 and not (minus_one_ok and cfg[key] == -1):
+            raise ConfigError(f"{key}={cfg[key]} must be at least 1" + (" (or -1: the whole eval split)"
+                                                                        if key == "eval_steps" else ""))
     for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
                 "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib"):
         if cfg[key] is not None and not cfg[key] > 0:
@@ -539,9 +632,43 @@ def check_checkpoint_sources(cfg) -> None:
         raise ConfigError("set only one of load_parameters_path and load_full_state_path")
 
 
+# MaxText's decoder_block values this trainer builds, with what each needs of the keys that build it here.
+DECODER_BLOCKS = {
+    "llama2": {"attention_type": "mha", "qk_norm": False}, "mistral": {"attention_type": "mha", "qk_norm": False},
+    "mixtral": {"attention_type": "mha", "qk_norm": False}, "deepseek": {"attention_type": "mla"},
+    "qwen3": {"attention_type": "mha", "qk_norm": True}, "qwen3_moe": {"attention_type": "mha", "qk_norm": True},
+}
+TOKENIZER_TYPES = {"sentencepiece": ".model", "huggingface": ".json"}
+
+
+def check_upstream_consistency(cfg) -> None:
+    """MaxText's decoder_block and tokenizer_type agree with the keys that decide the same things here;
+    eval_steps=-1 needs a finite eval split."""
+    if cfg.decoder_block is not None:
+        needs = DECODER_BLOCKS.get(cfg.decoder_block)
+        if needs is None:
+            raise ConfigError(f"decoder_block={cfg.decoder_block} is a MaxText model family this trainer does not "
+                              f"build (it builds {', '.join(DECODER_BLOCKS)})")
+        for key, value in needs.items():
+            if cfg[key] != value:
+                raise ConfigError(f"decoder_block={cfg.decoder_block} needs {key}={str(value).lower()}, but this config "
+                                  f"has {key}={str(cfg[key]).lower()}; fix one of them")
+    if cfg.tokenizer_type is not None:
+        suffix = TOKENIZER_TYPES.get(cfg.tokenizer_type)
+        if suffix is None:
+            raise ConfigError(f"tokenizer_type={cfg.tokenizer_type} is not supported here (sentencepiece or "
+                              "huggingface, given by tokenizer_path)")
+        if cfg.tokenizer_path is not None and not str(cfg.tokenizer_path).endswith(suffix):
+            raise ConfigError(f"tokenizer_type={cfg.tokenizer_type} expects a {suffix} file, but tokenizer_path="
+                              f"{_clip(str(cfg.tokenizer_path))}; fix one of them")
+    if cfg.eval_steps == -1 and cfg.eval_interval != -1 and cfg.dataset_type == "synthetic":
+        raise ConfigError("eval_steps=-1 (the whole eval split) needs a dataset with an end; synthetic data has "
+                          "none: set eval_steps to a number of batches")
+
+
 CHECKS = (check_choices, check_te_options, check_router, check_positive, check_attention_heads, check_layers,
           check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
-          check_checkpoint_sources)
+          check_checkpoint_sources, check_upstream_consistency)
 
 
 def validate(cfg) -> None:

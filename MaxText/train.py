@@ -36,7 +36,7 @@ def maybe_initialize_distributed(cfg) -> None:
     """
     import jax
 
-    if cfg.hardware != "gpu_multiprocess" and _process_count_from_env() <= 1:
+    if cfg.skip_jax_distributed_system or (cfg.hardware != "gpu_multiprocess" and _process_count_from_env() <= 1):
         return
     kwargs = {}
     if "JAX_COORDINATOR_ADDRESS" in os.environ:
@@ -127,6 +127,39 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
     return state, None
 
 
+class _Repeat:
+    """An input stream that yields its first batch forever (reuse_example_batch); state() is the stream's after
+    that batch."""
+
+    def __init__(self, data):
+        self.data, self.batch = data, next(data)
+
+    def __next__(self):
+        return self.batch
+
+    def state(self):
+        return self.data.state()
+
+
+def _whole_split(data) -> list:
+    """eval_steps=-1: this process's eval batches up to the first one that is padding on every process (the
+    eval stream pads after one pass over its split), so that all processes run the same number."""
+    import jax
+    import numpy as np
+
+    batches = []
+    while True:
+        batch = next(data)
+        done = not np.any(batch["targets_segmentation"])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            done = bool(np.all(multihost_utils.process_allgather(np.int32(done))))
+        if done:
+            return batches
+        batches.append(batch)
+
+
 class Evaluator:
     """eval_steps batches of eval_split, read once and kept on device (they are the same every time), and the
     token-weighted mean cross-entropy of a state over them."""
@@ -138,8 +171,8 @@ class Evaluator:
         from MaxText.train_step import jit_eval_step
 
         data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), split="eval")
-        self.batches = [jax.make_array_from_process_local_data(batch_sharding, next(data))
-                        for _ in range(cfg.eval_steps)]
+        local = [next(data) for _ in range(cfg.eval_steps)] if cfg.eval_steps != -1 else _whole_split(data)
+        self.batches = [jax.make_array_from_process_local_data(batch_sharding, batch) for batch in local]
         self.step = jit_eval_step(cfg, spec, batch_sharding)
 
     def __call__(self, state) -> dict:
@@ -183,6 +216,9 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
     if stop.before_first_step(log):
         return None
+    if cfg.hardware in ("gpu", "gpu_multiprocess") and jax.default_backend() != "gpu":
+        raise ConfigError(f"hardware={cfg.hardware} but JAX found no GPU (its backend is {jax.default_backend()}); "
+                          "check the CUDA install (jax[cuda]) and CUDA_VISIBLE_DEVICES, or set hardware=auto")
     check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime checks too)
     validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
@@ -215,6 +251,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
             return None
         data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), state=position)
+        if cfg.reuse_example_batch:  # MaxText's benchmark mode: the first batch, every step
+            data = _Repeat(data)
         batch_sharding = sharding.batch_sharding(mesh)
         step_fn = jit_train_step(cfg, spec, batch_sharding)
         evaluate = Evaluator(cfg, spec, batch_sharding, global_batch) if cfg.eval_interval != -1 else None
@@ -228,6 +266,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
             progress.close()
             writer.close()
             return None
+        if start == 0 and cfg.save_checkpoint_on_start and checkpointer.enabled and checkpointer.latest_step() is None:
+            checkpointer.save(0, state, data.state())
         last_record, pending = None, None
         last_done = time.perf_counter()
 

@@ -142,7 +142,7 @@ def test_model_logits_same_with_chunked_attention(model):
                                err_msg=f"{model}: chunked vs dot_product logits")
 
 
-@pytest.mark.parametrize("override, needle", [("attention=flash", "attention=flash is not one of"),
+@pytest.mark.parametrize("override, needle", [("attention=bogus", "attention=bogus is not one of"),
                                               ("attention_chunk_size=0", "attention_chunk_size=0 must be at least 1")])
 def test_attention_keys_are_checked(override, needle):
     with pytest.raises(ConfigError, match=needle):

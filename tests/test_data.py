@@ -243,6 +243,19 @@ def test_eval_is_fixed_then_padding(data_dir):
     assert collections.Counter(docs) == nonempty(EVAL_DOCS), "eval did not read the validation split once"
 
 
+def test_eval_steps_minus_one_reads_the_whole_split_once(data_dir):
+    """eval_steps=-1 (MaxText's "the whole eval split"): the evaluator takes batches up to the first all-padding
+    one: every eval document once, no padding batch."""
+    from MaxText.train import _whole_split
+
+    cfg = config(data_dir, "eval_steps=-1")
+    batches = _whole_split(TfdsData(cfg, 2, split="eval"))
+    assert batches and all(b["targets_segmentation"].any() for b in batches)
+    rows = stacked(batches)
+    docs = recovered_documents(rows, ByteTokenizer())
+    assert collections.Counter(docs) == nonempty(EVAL_DOCS), "eval_steps=-1 did not read the validation split once"
+
+
 # ----------------------------------------------------------------------------------------------- tokenizers
 
 

@@ -21,7 +21,8 @@ MLA_KEYS = ("attention_type=mla", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_r
 YARN_KEYS = ("rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=64", "beta_fast=4",
              "beta_slow=0.05", "mscale=0.8")
 CASES = {"q_lora16": ("q_lora_rank=16",), "q_lora0": ("q_lora_rank=0",),
-         "q_lora16_yarn": ("q_lora_rank=16",) + YARN_KEYS, "q_lora0_yarn": ("q_lora_rank=0",) + YARN_KEYS}
+         "q_lora16_yarn": ("q_lora_rank=16",) + YARN_KEYS, "q_lora0_yarn": ("q_lora_rank=0",) + YARN_KEYS,
+         "q_lora0_yarn_half_pairs": ("q_lora_rank=0", "rope_interleave=false") + YARN_KEYS}
 TAGS = ("mla_q", "mla_kv", "query_proj", "key_proj", "value_proj", "out_proj")
 
 
@@ -62,10 +63,17 @@ def _np_yarn_frequencies(dim, theta, factor, original, beta_fast, beta_slow):
     return base * (1 - ramp) + base / factor * ramp
 
 
-def _np_rope(x_K, position, freqs):
-    """Half-split layout: pair (x[i], x[i + K/2]) rotated by position * freqs[i]."""
-    x1, x2 = np.split(x_K, 2)
+def _np_rope(x_K, position, freqs, interleave=False):
+    """Half-split layout: pair (x[i], x[i + K/2]) rotated by position * freqs[i]; interleaved: pair
+    (x[2i], x[2i + 1]), written back in place."""
     a = position * freqs
+    if interleave:
+        out = x_K.copy()
+        for i, angle in enumerate(a):
+            x1, x2 = x_K[2 * i], x_K[2 * i + 1]
+            out[2 * i], out[2 * i + 1] = x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)
+        return out
+    x1, x2 = np.split(x_K, 2)
     return np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)])
 
 
@@ -87,6 +95,7 @@ def _reference(m, cfg, x, positions, segments):
     else:
         freqs = THETA ** (-np.arange(0, ROPE, 2) / ROPE)
         scale = (NOPE + ROPE) ** -0.5
+    inter = cfg.rope_type == "yarn" and cfg.rope_interleave
     x, positions, segments = np.asarray(x, np.float64), np.asarray(positions), np.asarray(segments)
     out = np.zeros((B, L, D))
     for b in range(B):
@@ -96,10 +105,10 @@ def _reference(m, cfg, x, positions, segments):
             q_t = (np.einsum("r,rhk->hk", _np_rms(xt @ p["wq_a"], q_scale, eps), p["wq_b"])
                    if cfg.q_lora_rank else np.einsum("d,dhk->hk", xt, p["wq"]))
             latent = xt @ p["wkv_a"]
-            k_pe = _np_rope(latent[RKV:], positions[b, t], freqs)
+            k_pe = _np_rope(latent[RKV:], positions[b, t], freqs, inter)
             kv_t = np.einsum("r,rhk->hk", _np_rms(latent[:RKV], kv_scale, eps), p["wkv_b"])
             for h in range(H):
-                q[t, h] = np.concatenate([q_t[h, :NOPE], _np_rope(q_t[h, NOPE:], positions[b, t], freqs)])
+                q[t, h] = np.concatenate([q_t[h, :NOPE], _np_rope(q_t[h, NOPE:], positions[b, t], freqs, inter)])
                 k[t, h] = np.concatenate([kv_t[h, :NOPE], k_pe])
                 v[t, h] = kv_t[h, NOPE:]
         for h in range(H):

@@ -67,6 +67,7 @@ MISTAKES = [
     ("checkpoint directory is a file", args(TINY, ["run_name=ckfile"]), "cannot write checkpoints to"),
     ("parameters from a non-checkpoint", args(TINY, ["load_parameters_path=configs"]), "is not an Orbax checkpoint"),
     ("full state from nowhere", args(TINY, ["load_full_state_path=/nope/items"]), "/nope/items does not exist"),
+    ("a GPU asked for on a CPU machine", args(TINY, ["hardware=gpu"]), "hardware=gpu but JAX found no GPU"),
     ("too big for the device", args(TINY, ["hbm_gib=0.0001"]), "GiB per device (params, gradients and optimizer"),
     ("missing dataset path", args(TINY, ["dataset_type=tfds", "dataset_name=c4/en:3.0.1", "dataset_path=/nope",
                                          "vocab_size=512"]), "dataset_name=c4/en:3.0.1 in dataset_path /nope: Failed to construct"),

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
-from MaxText.layers.rope import apply_rope, static_rope_frequencies
+from MaxText.layers.rope import apply_rope, interleaved, static_rope_frequencies
 from MaxText.sharding import constrain
 
 
@@ -33,6 +33,7 @@ class Attention(nnx.Module):
             self.query_norm, self.key_norm = RMSNorm(k, **norm), RMSNorm(k, **norm)
         self.qk_norm = cfg.qk_norm
         self.rope_frequencies = static_rope_frequencies(cfg, k)  # RoPE, or YaRN with rope_type: yarn
+        self.rope_interleave = interleaved(cfg)
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
         self.dtype = dtype
         self.rules = rules
@@ -46,8 +47,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
-        q = apply_rope(q, positions_BL, frequencies_K2=freqs)
-        k = apply_rope(k, positions_BL, frequencies_K2=freqs)
+        q = apply_rope(q, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
+        k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size)
         out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
         out = checkpoint_name(out, "out_proj")

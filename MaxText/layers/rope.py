@@ -59,8 +59,10 @@ def rope_frequencies_for(cfg, rope_dim: int):
     return rope_frequencies(rope_dim, cfg.rope_max_timescale)
 
 
-def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequencies_K2=None):
-    """Rotates feature pairs (x[i], x[i + K/2]) by position * frequency_i (the 'half' layout).
+def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequencies_K2=None,
+               interleave: bool = False):
+    """Rotates feature pairs (x[i], x[i + K/2]) by position * frequency_i (the 'half' layout), or with
+    `interleave` the pairs (x[2i], x[2i + 1]) in place (DeepSeek's release; MaxText's rope_interleave).
 
     The frequencies are rope_frequencies(K, max_timescale) unless `frequencies_K2` [K/2] is given
     (e.g. from rope_frequencies_for, for YaRN); pass exactly one of the two.
@@ -72,9 +74,19 @@ def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequen
     assert frequencies_K2.shape == (k // 2,), (frequencies_K2.shape, k)
     angles_BLk = positions_BL[..., None].astype(jnp.float32) * frequencies_K2.astype(jnp.float32)
     sin, cos = jnp.sin(angles_BLk)[:, :, None, :], jnp.cos(angles_BLk)[:, :, None, :]
-    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x = x_BLHK.astype(jnp.float32)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)
+
+
+def interleaved(cfg) -> bool:
+    """Whether this config rotates interleaved pairs: rope_interleave, which (as in MaxText) applies to YaRN."""
+    return cfg.rope_type == "yarn" and cfg.rope_interleave
 
 
 def static_rope_frequencies(cfg, rope_dim: int) -> tuple:
