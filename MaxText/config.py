@@ -427,6 +427,7 @@ def check_choices(cfg) -> None:
         "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
         "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
         "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS, "profiler": ("", "xplane"),
+        "routing_group_score": ("topk_sum", "max"),
         "lr_schedule_type": ("cosine", "wsd"), "wsd_decay_style": ("linear", "cosine"),
         **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
     }
@@ -466,6 +467,9 @@ def check_router(cfg) -> None:
             raise ConfigError(
                 f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in the kept groups "
                 f"(topk_routing_group={keep} x {cfg.num_experts // groups}); raise topk_routing_group")
+    if groups is not None and cfg.routing_group_score == "max" and cfg.moe_impl == "te_dropless":
+        raise ConfigError("routing_group_score=max (DeepSeek-V2) is not what TE's fused router computes (a group's "
+                          "top-k sum); use moe_impl=ragged or dense")
     if cfg.routed_bias and cfg.routed_score_func != "sigmoid":
         raise ConfigError("routed_bias=true needs routed_score_func=sigmoid: the aux-loss-free bias (DeepSeek-V3) "
                           "shifts independent sigmoid scores; with softmax it would also rescale the others")

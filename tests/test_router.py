@@ -245,6 +245,22 @@ def test_group_limit_excludes_the_best_expert():
                                rtol=1e-5, err_msg="group-limited weights (hand-built token)")
 
 
+def test_group_score_max_is_deepseek_v2_device_limited_routing():
+    """routing_group_score=max (DeepSeek-V2): a group scores by its best expert. Expert 0 alone makes group 0 the
+    best group, so with keep 2 the token takes experts from groups 0 and 1, where the top-2 sum (DeepSeek-V3) keeps
+    groups 1 and 2; weights are the softmax scores of the chosen experts (no renormalisation, x scaling)."""
+    token = np.array([2.6, -2.0, -2.5, -2.8, 2.5, 2.4, -2.9, -2.95, 2.3, 2.2, -3, -3, 0.5, 0.4, -3, -3], np.float32)
+    keys = ("num_experts=16", "num_experts_per_tok=4", "routed_score_func=softmax", "n_routing_groups=4",
+            "topk_routing_group=2", "routed_scaling_factor=16", "moe_impl=ragged")
+    v2 = route_logits(token[None, :], None, tiny_config(*keys, "routing_group_score=max"))
+    v3 = route_logits(token[None, :], None, tiny_config(*keys))
+    assert set(np.asarray(v2.experts_TK)[0].tolist()) == {0, 1, 4, 5}, np.asarray(v2.experts_TK)
+    assert set(np.asarray(v3.experts_TK)[0].tolist()) == {4, 5, 8, 9}, np.asarray(v3.experts_TK)
+    p = np.exp(token - token.max()) / np.exp(token - token.max()).sum()
+    np.testing.assert_allclose(dense_weights(v2.experts_TK, v2.weights_TK, 16),
+                               dense_weights([[0, 1, 4, 5]], [16 * p[[0, 1, 4, 5]]], 16), rtol=1e-5)
+
+
 def test_group_score_uses_biased_scores():
     """The bias enters the group score too (TE/DeepSeek-V3): a bias on group 3 makes it a kept group."""
     cfg = tiny_config("num_experts=8", "num_experts_per_tok=2", "routed_score_func=sigmoid", "routed_bias=true",

@@ -49,8 +49,10 @@ def select_experts(scores_TE, bias_E, cfg):
     if cfg.n_routing_groups is not None:
         t, e = choice_TE.shape
         grouped = choice_TE.reshape(t, cfg.n_routing_groups, e // cfg.n_routing_groups)
-        per_group = max(1, k // cfg.topk_routing_group)
-        group_score_TG = jnp.sum(top_k(grouped, per_group)[0], axis=-1)
+        if cfg.routing_group_score == "max":  # DeepSeek-V2: a group (a device) scores by its best expert
+            group_score_TG = jnp.max(grouped, axis=-1)
+        else:  # DeepSeek-V3: the sum of the group's best k / topk_routing_group scores
+            group_score_TG = jnp.sum(top_k(grouped, max(1, k // cfg.topk_routing_group))[0], axis=-1)
         _, kept_groups = top_k(group_score_TG, cfg.topk_routing_group)
         kept_TG = jnp.sum(jax.nn.one_hot(kept_groups, cfg.n_routing_groups, dtype=jnp.int32), axis=1) > 0
         choice_TE = jnp.where(jnp.repeat(kept_TG, e // cfg.n_routing_groups, axis=1), choice_TE, -jnp.inf)
