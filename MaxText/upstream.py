@@ -149,10 +149,12 @@ GROUPS: tuple[Group, ...] = (
        "communication_overlapping_alpha gradient_accumulation_steps skip_step_on_spikes skip_step_interval "
        "skip_step_scaling_factor trainable_parameters_mask adamw_mask adam_eps_root muon_* lora_input_adapters_path "
        "hf_lora_adapter_path enable_rampup_batch_size per_device_batch_size_start per_device_batch_size_increment "
-       "global_rampup_samples elastic_* z_loss_multiplier moe_use_megatron_seq_aux_loss eval_start_step "
+       "global_rampup_samples elastic_* z_loss_multiplier eval_start_step "
        "target_eval_loss activations_in_float32 eval_ragged_buffer_factor moe_dropless_fallback "
        "retry_dropless_first_steps first_phase_ragged_buffer_factor use_chat_template chat_template_path "
        "chat_template"),
+    _g(REFUSED, "this trainer's sequence-wise balance loss is load_balance_loss_type=sequence (DeepSeek-V3's "
+                "form; Megatron's is not checked to be the same)", "moe_use_megatron_seq_aux_loss"),
     _g(REFUSED, "this trainer's numerics are fixed here: gradients in weight_dtype (float32), XLA's default "
                 "matmul precision, a non-finite loss always stops the run",
        "grad_dtype matmul_precision abort_on_nan_loss abort_on_inf_loss"),
