@@ -406,13 +406,25 @@ def load_full_state(path: str, abstract_state, cfg=None):
         return state, ckptr.restore(input_dir)
 
 
-def load_params(path: str, abstract_params, cfg=None):
-    """Only the params of a saved train state (the optimizer state on disk is not read)."""
+def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
+    """(params, MoE routing biases or None) of a saved train state (the optimizer state on disk is not read). The
+    biases (`nnx_aux`) are read when this model has them and the checkpoint holds them: a DeepSeek-style model
+    whose bias restarted at zero would route every token differently at step 0."""
     path = _item_dir(path, "load_parameters_path")
-    _check_manifest(path, {"params": abstract_params}, "load_parameters_path", cfg)
-    restore_args = ocp.checkpoint_utils.construct_restore_args({"params": abstract_params})
+    item = {"params": abstract_params}
+    if abstract_aux is not None and "nnx_aux" in _top_level_items(path):
+        item["nnx_aux"] = abstract_aux
+    _check_manifest(path, item, "load_parameters_path", cfg)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
     with _restoring("load_parameters_path", path), ocp.PyTreeCheckpointer() as ckptr:
         restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-            item={"params": abstract_params}, restore_args=restore_args, partial_restore=True))
-    return restored["params"]
+            item=item, restore_args=restore_args, partial_restore=True))
+    return restored["params"], restored.get("nnx_aux")
+
+
+def _top_level_items(path: str) -> set[str]:
+    """The top-level names of the tree saved in an item directory (from Orbax's _METADATA)."""
+    with open(os.path.join(path, "_METADATA")) as f:
+        tree = json.load(f).get("tree_metadata", {})
+    return {entry["key_metadata"][0]["key"] for entry in tree.values() if entry.get("key_metadata")}
 

@@ -122,8 +122,15 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
         return state, input_position(saved_input, int(state["step"]), log)
     state = create_state(cfg, mesh, spec)
     if cfg.load_parameters_path:
-        log(f"loading params from {cfg.load_parameters_path}")
-        state["params"] = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg)
+        params, bias = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg,
+                                                 spec.abstract.get("nnx_aux"))
+        state["params"] = params
+        if bias is not None:
+            state["nnx_aux"] = bias
+        log(f"loaded the params" + (" and the MoE routing biases" if bias is not None else "")
+            + f" of {cfg.load_parameters_path} (step 0"
+            + ("; the checkpoint holds no routing bias: it starts at zero" if "nnx_aux" in spec.abstract
+               and bias is None else "") + ")")
     return state, None
 
 

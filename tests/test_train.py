@@ -126,7 +126,8 @@ def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
     item = f"{source}/full/checkpoints/3/items"
     cfg = load_config(TINY)
     spec = state_spec(cfg, sharding.create_mesh(cfg))
-    params = checkpointing.load_params(item, spec.abstract["params"])
+    params, bias = checkpointing.load_params(item, spec.abstract["params"], abstract_aux=spec.abstract.get("nnx_aux"))
+    assert bias is None and "nnx_aux" not in spec.abstract  # TINY has no routing bias
     saved, saved_input = checkpointing.load_full_state(item, spec.abstract)
     assert saved_input == {"process_count": 1, "positions": [{"batches": 3}]}, saved_input
     jax.tree.map(np.testing.assert_array_equal, params, saved["params"])
@@ -135,6 +136,32 @@ def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
     assert [r["step"] for r in records] == [1, 2]
     fresh = run(tmp_path, "run_name=fresh", "steps=1", "enable_checkpointing=false")
     assert records[0]["loss"] < fresh[0]["loss"] - 0.05, (records[0]["loss"], fresh[0]["loss"])
+
+
+def test_load_parameters_path_restores_the_routing_bias(tmp_path):
+    """A DeepSeek-style model's routing biases come with its params (they used to restart at zero, re-routing
+    every token at step 0), and the log line says so."""
+    from MaxText.checkpointing import Checkpointer, load_full_state
+    from MaxText.train import initial_state
+
+    keys = ["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=16", "per_device_batch_size=1",
+            "dataset_type=synthetic", "eval_interval=-1", "enable_tensorboard=false", "routed_bias_update_rate=0.01",
+            f"base_output_directory={tmp_path}"]
+    train_records(load_config(keys + ["run_name=source", "steps=2"]))
+    item = f"{tmp_path}/source/checkpoints/2/items"
+    cfg = load_config(keys + ["run_name=target", f"load_parameters_path={item}"])
+    mesh = sharding.create_mesh(cfg)
+    spec = state_spec(cfg, mesh)
+    lines = []
+    checkpointer = Checkpointer(cfg, f"{tmp_path}/target/checkpoints", lines.append)
+    state, _ = initial_state(cfg, mesh, spec, checkpointer, lines.append)
+    checkpointer.close()
+    saved, _ = load_full_state(item, spec.abstract)
+    leaves = jax.tree.leaves(saved["nnx_aux"])
+    assert leaves and any(np.abs(np.asarray(b)).max() > 0 for b in leaves), "the source's bias never moved"
+    jax.tree.map(np.testing.assert_array_equal, state["nnx_aux"], saved["nnx_aux"])
+    assert int(state["step"]) == 0
+    assert lines == [f"loaded the params and the MoE routing biases of {item} (step 0)"], lines
 
 
 def test_num_devices_must_match_the_visible_devices(tmp_path):
