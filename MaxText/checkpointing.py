@@ -419,6 +419,14 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     with _restoring("load_parameters_path", path), ocp.PyTreeCheckpointer() as ckptr:
         restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
             item=item, restore_args=restore_args, partial_restore=True))
+    import jax
+
+    absent = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
+              if isinstance(leaf, jax.ShapeDtypeStruct)]  # what partial_restore hands back for a missing array
+    absent.sort(key=lambda name: not name.startswith("['params']"))
+    if absent:
+        raise ConfigError(f"load_parameters_path={path} holds no {absent[0]} ({len(absent)} parameters this config "
+                          "needs are not in it); use the config it was written for (e.g. mtp_num_layers)")
     return restored["params"], restored.get("nnx_aux")
 
 

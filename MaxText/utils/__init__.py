@@ -1,0 +1,1 @@
+"""Command-line utilities beside the trainer (MaxText's maxtext.utils layout)."""

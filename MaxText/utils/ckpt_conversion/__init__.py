@@ -1,0 +1,1 @@
+"""Checkpoint interchange with Hugging Face: to_maxtext (import) and, later, to_huggingface (export)."""

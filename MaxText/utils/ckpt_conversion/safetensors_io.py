@@ -1,0 +1,143 @@
+"""Hugging Face checkpoint directories in the safetensors format, read lazily through numpy memory maps.
+
+The format: an 8-byte little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {...}}, then the tensors' bytes (offsets relative to the end
+of the header). The `safetensors` package's numpy interface cannot return bfloat16 or float8 tensors (numpy
+has neither; ml_dtypes does), which DeepSeek-V3's release is made of, so this module maps the file itself:
+a tensor is a view into the file, and only the pages a conversion touches are read.
+
+A directory holds one `model.safetensors`, or shards named by `model.safetensors.index.json`'s weight_map, or
+(without an index) any number of `*.safetensors` files.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from MaxText.config import ConfigError
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+FP8_BLOCK = 128  # DeepSeek-V3's release: one float32 weight_scale_inv per 128 x 128 block of each FP8 weight
+
+
+def _header(path: str) -> tuple[dict, int]:
+    """(header JSON, offset of the data section) of one file; ConfigError when it is not a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2 ** 20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    return header, 8 + size
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face checkpoint directory by name: get(name) is a read-only numpy view."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            weight_map = None
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
+        if not files:
+            raise ConfigError(f"hf_model_path={directory} holds no *.safetensors files")
+        self.entries: dict[str, tuple[str, dict, int]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                missing = next(t for t, f in weight_map.items() if f == name)
+                raise ConfigError(f"{path} is missing (model.safetensors.index.json puts {missing} there)")
+            header, start = _header(path)
+            for tensor, entry in header.items():
+                if tensor != "__metadata__":
+                    self.entries[tensor] = (path, entry, start)
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self.entries))
+            if absent:
+                raise ConfigError(f"{absent[0]} is listed in model.safetensors.index.json but is in none of its "
+                                  f"files ({len(absent)} such tensors)")
+        self._maps: dict[str, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)[1]["shape"])
+
+    def _entry(self, name: str):
+        if name not in self.entries:
+            raise ConfigError(f"tensor {name} is not in {self.directory}")
+        return self.entries[name]
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored (a read-only view into its file)."""
+        path, entry, start = self._entry(name)
+        if entry["dtype"] not in DTYPES:
+            raise ConfigError(f"tensor {name} in {path} has dtype {entry['dtype']}, which is not supported")
+        dtype = np.dtype(DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConfigError(f"tensor {name} in {path}: {end - begin} bytes do not hold {entry['dtype']} {list(shape)}")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, np.uint8, mode="r")
+        return self._maps[path][start + begin:start + end].view(dtype).reshape(shape)
+
+    def weight(self, name: str) -> np.ndarray:
+        """A weight as float32: FP8 weights multiplied by their `<name>_scale_inv` blocks (DeepSeek's release)."""
+        w = self.get(name)
+        if w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            scale_name = name + "_scale_inv"
+            if scale_name not in self:
+                raise ConfigError(f"tensor {name} is float8 but {scale_name} (its 128x128 block scales) is missing")
+            return dequantize_fp8(w, self.get(scale_name), name)
+        return np.asarray(w, np.float32)
+
+
+def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, name: str = "weight") -> np.ndarray:
+    """float32 w x scale_inv, one scale per FP8_BLOCK x FP8_BLOCK block (the last blocks may be partial)."""
+    rows, cols = w.shape
+    want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != want:
+        raise ConfigError(f"tensor {name}_scale_inv is {list(scale_inv.shape)}; {name} {list(w.shape)} needs "
+                          f"{list(want)} (one per {FP8_BLOCK}x{FP8_BLOCK} block)")
+    scale = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    return np.asarray(w, np.float32) * scale
+
+
+def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    """One safetensors file of `tensors` (any dtype in DTYPES), written tensor by tensor."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        size = array.size * array.dtype.itemsize
+        header[name] = {"dtype": NAMES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())

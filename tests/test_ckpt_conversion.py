@@ -1,0 +1,164 @@
+"""Hugging Face import (MaxText.utils.ckpt_conversion.to_maxtext) on tiny checkpoints the tests write: the logits
+of the imported model (MaxText.forward) equal an independent float64 numpy forward of each family as its
+published code defines it; bad input is one line and writes nothing."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from MaxText import forward
+from MaxText.config import load_config
+from MaxText.utils.ckpt_conversion import to_maxtext
+from tests import hf_tiny
+
+COMMON = ["dtype=float32", "enable_tensorboard=false", "dataset_type=synthetic", "max_target_length=16"]
+
+
+def imported(tmp_path, config, tensors, *extra, shards=2):
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    hf_tiny.write_checkpoint(hf_dir, config, tensors, shards=shards)
+    lines = []
+    item = to_maxtext.convert(["configs/base.yml", f"hf_model_path={hf_dir}", f"base_output_directory={out}",
+                               *COMMON, *extra], log=lines.append)
+    return item, out, lines
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_import_then_forward_matches_the_published_forward(tmp_path, family):
+    config, tensors = hf_tiny.mixtral_or_qwen3(family)
+    item, out, lines = imported(tmp_path, config, tensors)
+    assert item == f"{out}/0/items" and lines[-1].startswith(f"imported {tmp_path}/hf ({family})"), lines
+    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON,
+                       "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])
+    rows = np.random.default_rng(1).integers(0, hf_tiny.V, (2, 12))
+    logits = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
+    for b in range(2):
+        want = hf_tiny.reference_logits(config, tensors, rows[b])
+        np.testing.assert_allclose(logits[b], want, rtol=2e-4, atol=2e-4, err_msg=f"{family} row {b}")
+
+
+def test_bf16_release_imports_as_its_float32_values(tmp_path):
+    """A bfloat16 release: the imported float32 params are the bf16 values exactly (one file, no index)."""
+    import ml_dtypes
+
+    config, tensors = hf_tiny.mixtral_or_qwen3("qwen3_moe", dtype=ml_dtypes.bfloat16)
+    item, out, _ = imported(tmp_path, config, tensors, shards=1)
+    from MaxText import checkpointing, plan, sharding
+    from MaxText.state import state_spec
+
+    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", *COMMON])
+    spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
+    import jax
+
+    params, _ = checkpointing.load_params(item, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+        spec.abstract["params"]))
+    got = np.asarray(params["moe_layers"]["layers"]["moe"]["wi_1"])[2, 3]  # layer 2, expert 3: [D, F]
+    want = np.asarray(tensors["model.layers.2.mlp.experts.3.up_proj.weight"], np.float32).T
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case,phrase", [
+    ("missing shard", "is missing (model.safetensors.index.json puts"),
+    ("wrong family", "model_type='llama' is not one this trainer imports"),
+    ("extra tensor", "tensor model.layers.0.self_attn.q_proj.bias has no place in this model"),
+    ("missing tensor", "tensor model.layers.2.block_sparse_moe.experts.1.w2.weight is not in"),
+    ("shape mismatch", "model.layers.1.self_attn.k_proj.weight"),
+    ("disagreeing model_name", "config.json gives base_emb_dim=32 but model_name=mixtral-tiny has base_emb_dim=64"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case, phrase):
+    config, tensors = hf_tiny.mixtral_or_qwen3("mixtral")
+    extra = []
+    if case == "wrong family":
+        config["model_type"] = "llama"
+    elif case == "extra tensor":
+        tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(hf_tiny.H * hf_tiny.K, np.float32)
+    elif case == "missing tensor":
+        del tensors["model.layers.2.block_sparse_moe.experts.1.w2.weight"]
+    elif case == "shape mismatch":
+        tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((hf_tiny.H * hf_tiny.K, hf_tiny.D), np.float32)
+    elif case == "disagreeing model_name":
+        extra = ["model_name=mixtral-tiny"]
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    hf_tiny.write_checkpoint(hf_dir, config, tensors)
+    if case == "missing shard":
+        os.remove(hf_dir / "model-00002-of-00002.safetensors")
+    code = to_maxtext.main(["configs/base.yml", f"hf_model_path={hf_dir}", f"base_output_directory={out}", *COMMON,
+                            *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert phrase in err, err
+    assert not out.exists(), "nothing may be written on bad input"
+
+
+def _params(item, model_yml, *extra):
+    """The imported params and routing biases on one device."""
+    import jax
+
+    from MaxText import checkpointing, plan, sharding
+    from MaxText.state import state_spec
+
+    cfg = load_config(["configs/base.yml", f"model_name={model_yml}", *COMMON, *extra])
+    spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), spec.abstract)
+    return checkpointing.load_params(item, local["params"], abstract_aux=local.get("nnx_aux"))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-free", "fp8-release"])
+def test_deepseek_v3_import_then_forward_matches_the_published_forward(tmp_path, fp8):
+    """DeepSeek-V3's layout (YaRN with interleaved rotary pairs, group-limited sigmoid routing with the correction
+    bias, a shared expert, a dense first layer, the MTP layer stored as layer num_hidden_layers), in float32 or
+    as released in FP8 blocks: the imported model's logits equal the float64 reference on the dequantized
+    weights; the routing biases and the MTP layer (eh_proj's halves swapped) are imported."""
+    config, tensors = hf_tiny.deepseek_v3(fp8=fp8)
+    item, out, lines = imported(tmp_path, config, tensors)
+    assert lines[-1].endswith("with the MoE routing biases"), lines
+    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON,
+                       "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])
+    assert (cfg.rope_type, cfg.rope_interleave, cfg.mtp_num_layers, cfg.routed_bias) == ("yarn", True, 1, True)
+    rows = np.random.default_rng(2).integers(0, hf_tiny.V, (2, 12))
+    logits = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
+    for b in range(2):
+        want = hf_tiny.deepseek_reference_logits(config, tensors, rows[b])
+        np.testing.assert_allclose(logits[b], want, rtol=2e-4, atol=2e-4, err_msg=f"row {b}")
+    params, bias = _params(item, f"{out}/model.yml")
+    values = hf_tiny.dequantized(tensors)
+    np.testing.assert_array_equal(np.asarray(bias["moe_layers"]["layers"]["moe"]["bias"])[1],
+                                  tensors["model.layers.2.mlp.gate.e_score_correction_bias"])
+    eh = values["model.layers.3.eh_proj.weight"].T  # [2D, D]: embedding rows, then hidden rows
+    np.testing.assert_allclose(np.asarray(params["mtp"]["mtp_1"]["projection"]), np.concatenate([eh[32:], eh[:32]]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(params["moe_layers"]["layers"]["moe"]["wo"])[0, 5],
+                               values["model.layers.1.mlp.experts.5.down_proj.weight"].T, rtol=1e-6)
+
+
+def test_deepseek_mtp_layer_is_skipped_when_the_config_drops_it(tmp_path):
+    config, tensors = hf_tiny.deepseek_v3()
+    item, out, lines = imported(tmp_path, config, tensors, "mtp_num_layers=0")
+    assert any(line.startswith("not imported: the MTP layer (model.layers.3.*") for line in lines), lines
+    from MaxText.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"holds no \['(params|nnx_aux)'\]\['mtp'\].*use the config it was written for"):
+        _params(item, f"{out}/model.yml")  # model.yml keeps config.json's MTP depth
+    params, _ = _params(item, f"{out}/model.yml", "mtp_num_layers=0")
+    assert "mtp" not in params
+
+
+def test_fp8_blocks_dequantize_with_partial_edge_blocks():
+    """dequantize_fp8 on a 300 x 200 weight (3 x 2 blocks, the last ones partial) against a loop over blocks."""
+    import ml_dtypes
+
+    from MaxText.utils.ckpt_conversion.safetensors_io import dequantize_fp8
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 200)).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(0.1, 3, (3, 2)).astype(np.float32)
+    want = np.zeros((300, 200), np.float32)
+    for i in range(3):
+        for j in range(2):
+            block = np.s_[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            want[block] = w[block].astype(np.float32) * s[i, j]
+    np.testing.assert_array_equal(dequantize_fp8(w, s), want)
