@@ -710,6 +710,23 @@ def cli_arguments(argv, doc: str) -> tuple[list[str], bool] | None:
     return [x for x in argv if x != "--json"], "--json" in argv
 
 
+def tool_main(run, argv, doc: str) -> int:
+    """The main() of a tool that takes key=value arguments: -h/--help prints `doc`; run(argv) otherwise, a
+    ConfigError becoming one `error:` line and exit status 2."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc)
+        return 0
+    try:
+        run(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def apply_xla_flags(cfg, environ=os.environ) -> None:
     """Merges cfg.xla_flags into XLA_FLAGS and sets XLA's pinned-host pool from host_memory_limit_gb; must run
     before JAX initialises its backend.

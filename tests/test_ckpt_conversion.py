@@ -162,3 +162,89 @@ def test_fp8_blocks_dequantize_with_partial_edge_blocks():
             block = np.s_[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
             want[block] = w[block].astype(np.float32) * s[i, j]
     np.testing.assert_array_equal(dequantize_fp8(w, s), want)
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def _export(tmp_path, out, item, *extra):
+    from MaxText.utils.ckpt_conversion import to_huggingface
+
+    hf_out = tmp_path / "hf_out"
+    lines = []
+    to_huggingface.export(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON,
+                           f"base_output_directory={hf_out}", "hf_shard_gb=0.0001", *extra], log=lines.append)
+    return hf_out, lines
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_export_writes_the_release_back_and_reimports_as_the_identity(tmp_path, family):
+    """float32 release -> import -> export float32: every tensor of the release comes back bit for bit under its
+    own name (shards, index and config.json of the family), and importing the export gives the same params."""
+    from MaxText.utils.ckpt_conversion.families import FAMILIES
+    from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
+
+    config, tensors = hf_tiny.deepseek_v3() if family == "deepseek_v3" else hf_tiny.mixtral_or_qwen3(family)
+    item, out, _ = imported(tmp_path, config, tensors)
+    hf_out, lines = _export(tmp_path, out, item, "hf_dtype=float32")
+    assert lines[-1].startswith(f"exported {item} as {family} (float32"), lines
+    back = Checkpoint(str(hf_out))
+    assert len(os.listdir(hf_out)) > 4, "hf_shard_gb=0.0001 should split the tiny model over several shards"
+    assert set(back.names()) == set(tensors)
+    for name, want in tensors.items():
+        np.testing.assert_array_equal(back.get(name), want, err_msg=name)
+    exported = json.loads((hf_out / "config.json").read_text())
+    fam = FAMILIES[family]()
+    assert fam.model_keys(exported) == fam.model_keys(config)
+    item2, out2, _ = imported(tmp_path / "again", exported, {n: np.asarray(back.get(n)) for n in back.names()})
+    import jax
+
+    for a, b in zip(jax.tree.leaves(_params(item, f"{out}/model.yml")), jax.tree.leaves(_params(item2, f"{out2}/model.yml"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_export_is_deepseeks_block_format(tmp_path):
+    """hf_dtype=fp8: Linear weights as float8_e4m3fn with one scale per 128x128 block, head and routers in bf16;
+    importing it back gives the weights within FP8's rounding."""
+    import ml_dtypes
+
+    from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
+
+    config, tensors = hf_tiny.deepseek_v3()
+    item, out, _ = imported(tmp_path, config, tensors)
+    hf_out, _ = _export(tmp_path, out, item, "hf_dtype=fp8")
+    back = Checkpoint(str(hf_out))
+    assert back.get("model.layers.1.mlp.experts.2.up_proj.weight").dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert back.shape("model.layers.1.mlp.experts.2.up_proj.weight_scale_inv") == (1, 1)
+    assert back.get("lm_head.weight").dtype == np.dtype(ml_dtypes.bfloat16)
+    assert back.get("model.layers.1.mlp.gate.weight").dtype == np.dtype(ml_dtypes.bfloat16)
+    config_out = json.loads((hf_out / "config.json").read_text())
+    assert config_out["quantization_config"]["weight_block_size"] == [128, 128]
+    w = tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+    np.testing.assert_allclose(back.weight("model.layers.1.self_attn.kv_b_proj.weight"), w, atol=np.abs(w).max() / 14)
+
+
+@pytest.mark.parametrize("case,phrase", [
+    ("no params", "load_parameters_path=<run>/checkpoints/<step>/items is required"),
+    ("directory in use", "exists and is not empty"),
+    ("fp8 for mixtral", "hf_dtype=fp8 is DeepSeek's release format"),
+    ("unknown dtype", "hf_dtype=int4 is not one of"),
+])
+def test_export_mistakes_are_one_line(tmp_path, capsys, case, phrase):
+    from MaxText.utils.ckpt_conversion import to_huggingface
+
+    hf_out = tmp_path / "hf_out"
+    argv = ["configs/base.yml", "model_name=mixtral-tiny", *COMMON, f"base_output_directory={hf_out}",
+            f"load_parameters_path={tmp_path}/nope/items"]
+    if case == "no params":
+        argv = argv[:-1]
+    elif case == "directory in use":
+        hf_out.mkdir()
+        (hf_out / "config.json").write_text("{}")
+    elif case == "fp8 for mixtral":
+        argv.append("hf_dtype=fp8")
+    else:
+        argv.append("hf_dtype=int4")
+    assert to_huggingface.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and phrase in err and "\n" not in err, err

@@ -1,5 +1,6 @@
-"""The Hugging Face model families this trainer imports: their config.json read as this trainer's model keys,
-and each of their tensors' place (and layout) in this trainer's parameters.
+"""The Hugging Face model families this trainer imports and exports: their config.json as this trainer's model
+keys (and back), and one table of rules placing each of their tensors in this trainer's parameters, read in
+one direction by to_maxtext and in the other by to_huggingface.
 
 Layouts: a Hugging Face Linear weight is [out, in] and is transposed; per-head projections are split into
 [in, heads, head_dim] (outputs [heads, head_dim, out]); routed experts, one tensor per expert there, are
@@ -12,13 +13,56 @@ rope_type yarn) does here. DeepSeek's MTP projection eh_proj takes [embedding, h
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from MaxText.config import ConfigError
 
-Tensor = Callable[[int], np.ndarray]  # layer index -> array in this trainer's layout
+
+class Rule(NamedTuple):
+    """One parameter: its path in a layer (or the model) here, its Hugging Face name under the layer's prefix
+    ("{e}" standing for the expert), and the layout change between them."""
+
+    ours: str
+    theirs: str
+    kind: str          # vector | linear | heads_in | heads_out | experts | mtp_projection
+    heads: int = 0     # heads_in / heads_out: the head count
+
+
+def to_ours(rule: Rule, read) -> np.ndarray:
+    """The parameter from Hugging Face tensors; read(name) gives one as float32 [out, in] (or a vector)."""
+    if rule.kind == "experts":
+        raise AssertionError("experts are stacked by the caller")
+    a = read(rule.theirs)
+    if rule.kind == "vector":
+        return a
+    if rule.kind == "linear":
+        return a.T
+    if rule.kind == "heads_in":  # [heads * k, in] -> [in, heads, k]
+        return a.reshape(rule.heads, a.shape[0] // rule.heads, a.shape[1]).transpose(2, 0, 1)
+    if rule.kind == "heads_out":  # [out, heads * k] -> [heads, k, out]
+        return a.reshape(a.shape[0], rule.heads, a.shape[1] // rule.heads).transpose(1, 2, 0)
+    if rule.kind == "mtp_projection":  # [D, 2D] over [embedding, hidden] -> [2D, D] over [hidden, embedding]
+        t, d = a.T, a.shape[0]
+        return np.concatenate([t[d:], t[:d]])
+    raise AssertionError(rule.kind)
+
+
+def to_theirs(rule: Rule, a: np.ndarray) -> np.ndarray:
+    """The inverse of to_ours for one parameter (not experts)."""
+    if rule.kind == "vector":
+        return a
+    if rule.kind == "linear":
+        return a.T
+    if rule.kind == "heads_in":
+        return a.transpose(1, 2, 0).reshape(a.shape[1] * a.shape[2], a.shape[0])
+    if rule.kind == "heads_out":
+        return a.transpose(2, 0, 1).reshape(a.shape[2], a.shape[0] * a.shape[1])
+    if rule.kind == "mtp_projection":
+        d = a.shape[1]
+        return np.concatenate([a[d:], a[:d]]).T
+    raise AssertionError(rule.kind)
 
 
 def _require(hf: dict, key: str, ok, what: str) -> None:
@@ -44,172 +88,143 @@ def _rope_keys(hf: dict) -> dict:
     return keys
 
 
+def _rope_config(cfg) -> dict:
+    out = {"rope_theta": float(cfg.rope_max_timescale), "rope_scaling": None}
+    if cfg.rope_type == "yarn":
+        out["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "mscale": cfg.mscale,
+                               "mscale_all_dim": cfg.mscale, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
+                               "original_max_position_embeddings": cfg.original_max_position_embeddings}
+    return out
+
+
 class Family:
-    """One model_type: model_keys(config.json) -> this trainer's model keys; tensors(cfg) -> {our path: Tensor}."""
+    """One model_type: config.json <-> model keys, and the rules of a decoder layer and of the whole model."""
 
-    decoder_block = ""
-    experts = "mlp.experts"
+    model_type = ""
+    expert_names = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                    "mlp.experts.{e}.down_proj.weight")
+    gate = "mlp.gate.weight"
 
-    def __init__(self, ckpt):
-        self.ckpt = ckpt
-        self.used: set[str] = set()
-        self.last = ""  # the tensor read last, for error lines
-
-    # ---- reading, with the names used recorded
-    def w(self, name: str) -> np.ndarray:
-        """A Linear weight as float32 [out, in] (FP8 dequantized)."""
-        self.used.update((name, name + "_scale_inv"))
-        self.last = name
-        return self.ckpt.weight(name)
-
-    def linear(self, name: str) -> np.ndarray:  # [out, in] -> [in, out]
-        return self.w(name).T
-
-    def heads_in(self, name: str, heads: int) -> np.ndarray:  # [heads * k, in] -> [in, heads, k]
-        w = self.w(name)
-        return w.reshape(heads, w.shape[0] // heads, w.shape[1]).transpose(2, 0, 1)
-
-    def heads_out(self, name: str, heads: int) -> np.ndarray:  # [out, heads * k] -> [heads, k, out]
-        w = self.w(name)
-        return w.reshape(w.shape[0], heads, w.shape[1] // heads).transpose(1, 2, 0)
-
-    def vector(self, name: str) -> np.ndarray:
-        self.used.add(name)
-        self.last = name
-        return np.asarray(self.ckpt.get(name), np.float32)
-
-    # ---- layers
-    def attention(self, cfg, p: str) -> dict[str, Callable]:
+    def attention(self, cfg) -> list[Rule]:
         h, n = cfg.base_num_query_heads, cfg.base_num_kv_heads
-        out = {"self_attention.wq": lambda i: self.heads_in(f"{p(i)}.self_attn.q_proj.weight", h),
-               "self_attention.wk": lambda i: self.heads_in(f"{p(i)}.self_attn.k_proj.weight", n),
-               "self_attention.wv": lambda i: self.heads_in(f"{p(i)}.self_attn.v_proj.weight", n),
-               "self_attention.wo": lambda i: self.heads_out(f"{p(i)}.self_attn.o_proj.weight", h)}
+        rules = [Rule("self_attention.wq", "self_attn.q_proj.weight", "heads_in", h),
+                 Rule("self_attention.wk", "self_attn.k_proj.weight", "heads_in", n),
+                 Rule("self_attention.wv", "self_attn.v_proj.weight", "heads_in", n),
+                 Rule("self_attention.wo", "self_attn.o_proj.weight", "heads_out", h)]
         if cfg.qk_norm:
-            out["self_attention.query_norm.scale"] = lambda i: self.vector(f"{p(i)}.self_attn.q_norm.weight")
-            out["self_attention.key_norm.scale"] = lambda i: self.vector(f"{p(i)}.self_attn.k_norm.weight")
-        return out
+            rules += [Rule("self_attention.query_norm.scale", "self_attn.q_norm.weight", "vector"),
+                      Rule("self_attention.key_norm.scale", "self_attn.k_norm.weight", "vector")]
+        return rules
 
-    def expert_names(self, p: str, e: int) -> tuple[str, str, str]:
-        """(gate, up, down) weight names of routed expert e of a layer prefix."""
-        return tuple(f"{p}.{self.experts}.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
-
-    def gate_name(self, p: str) -> str:
-        return f"{p}.mlp.gate.weight"
-
-    def layer(self, cfg, p: Callable[[int], str], moe: bool) -> dict[str, Callable]:
-        """{path within a decoder layer: Tensor} for a dense or MoE layer whose Hugging Face prefix is p(i)."""
-        out = {"pre_self_attention_norm.scale": lambda i: self.vector(f"{p(i)}.input_layernorm.weight"),
-               "post_self_attention_norm.scale": lambda i: self.vector(f"{p(i)}.post_attention_layernorm.weight"),
-               **self.attention(cfg, p)}
+    def layer(self, cfg, moe: bool) -> list[Rule]:
+        """The params of a dense or MoE decoder layer."""
+        rules = [Rule("pre_self_attention_norm.scale", "input_layernorm.weight", "vector"),
+                 Rule("post_self_attention_norm.scale", "post_attention_layernorm.weight", "vector"),
+                 *self.attention(cfg)]
+        mlp = [("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")]
         if not moe:
-            for ours, theirs in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
-                out[f"mlp.{ours}"] = lambda i, t=theirs: self.linear(f"{p(i)}.mlp.{t}.weight")
-            return out
-        e = cfg.num_experts
-        out["moe.gate"] = lambda i: self.linear(self.gate_name(p(i)))
-        for k, ours in enumerate(("wi_0", "wi_1", "wo")):
-            out[f"moe.{ours}"] = lambda i, k=k: self.stack([self.expert_names(p(i), x)[k] for x in range(e)])
+            return rules + [Rule(f"mlp.{ours}", f"mlp.{theirs}.weight", "linear") for ours, theirs in mlp]
+        rules += [Rule("moe.gate", self.gate, "linear")]
+        rules += [Rule(f"moe.{ours}", name, "experts") for (ours, _), name in zip(mlp, self.expert_names)]
         if cfg.shared_experts:
-            for ours, theirs in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
-                out[f"moe.shared_experts.{ours}"] = lambda i, t=theirs: self.linear(f"{p(i)}.mlp.shared_experts.{t}.weight")
-        return out
+            rules += [Rule(f"moe.shared_experts.{ours}", f"mlp.shared_experts.{theirs}.weight", "linear")
+                      for ours, theirs in mlp]
+        return rules
 
-    def bias(self, cfg, p: Callable[[int], str]) -> dict[str, Callable]:
-        return {}
-
-    def stack(self, names: list[str]) -> np.ndarray:
-        """The experts' weights (transposed) on a leading axis; ConfigError naming the first shaped unlike the first."""
-        arrays = []
-        for name in names:
-            arrays.append(self.linear(name))
-            if arrays[-1].shape != arrays[0].shape:
-                raise ConfigError(f"tensor {name} is {list(arrays[-1].T.shape)}, unlike {names[0]} "
-                                  f"({list(arrays[0].T.shape)})")
-        return np.stack(arrays)
+    def bias(self, cfg) -> list[Rule]:
+        """The routing biases of an MoE layer (nnx_aux)."""
+        return []
 
     def model_keys(self, hf: dict) -> dict:
         raise NotImplementedError
 
+    def hf_config(self, cfg) -> dict:
+        raise NotImplementedError
+
+
+def _mha_keys(hf: dict) -> dict:
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    return {"base_emb_dim": d, "base_num_query_heads": h, "base_num_kv_heads": hf.get("num_key_value_heads", h),
+            "head_dim": hf.get("head_dim") or d // h, "base_num_decoder_layers": hf["num_hidden_layers"],
+            "first_num_dense_layers": 0, "vocab_size": hf["vocab_size"], "attention_type": "mha",
+            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+            "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "num_experts_per_tok":
+            hf["num_experts_per_tok"], "routed_score_func": "softmax", "shared_experts": 0, **_rope_keys(hf)}
+
+
+def _mha_config(cfg) -> dict:
+    return {"hidden_size": cfg.base_emb_dim, "num_attention_heads": cfg.base_num_query_heads,
+            "num_key_value_heads": cfg.base_num_kv_heads, "head_dim": cfg.head_dim,
+            "num_hidden_layers": cfg.base_num_decoder_layers, "vocab_size": cfg.vocab_size,
+            "rms_norm_eps": cfg.normalization_layer_epsilon, "tie_word_embeddings": bool(cfg.logits_via_embedding),
+            "num_experts_per_tok": cfg.num_experts_per_tok, "hidden_act": "silu", **_rope_config(cfg)}
+
 
 class Mixtral(Family):
-    decoder_block = "mixtral"
-    experts = "block_sparse_moe.experts"
-
-    def expert_names(self, p, e):
-        return tuple(f"{p}.{self.experts}.{e}.{n}.weight" for n in ("w1", "w3", "w2"))
-
-    def gate_name(self, p):
-        return f"{p}.block_sparse_moe.gate.weight"
+    model_type = "mixtral"
+    expert_names = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+                    "block_sparse_moe.experts.{e}.w2.weight")
+    gate = "block_sparse_moe.gate.weight"
 
     def model_keys(self, hf):
         _require(hf, "sliding_window", lambda v: v is None, "sliding-window attention is not built here")
         _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
-        d, h = hf["hidden_size"], hf["num_attention_heads"]
-        return {"decoder_block": "mixtral", "base_emb_dim": d, "base_num_query_heads": h,
-                "base_num_kv_heads": hf.get("num_key_value_heads", h), "head_dim": hf.get("head_dim") or d // h,
-                "base_mlp_dim": hf["intermediate_size"], "base_moe_mlp_dim": hf["intermediate_size"],
-                "base_num_decoder_layers": hf["num_hidden_layers"], "first_num_dense_layers": 0,
-                "vocab_size": hf["vocab_size"], "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-                "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-5)), "qk_norm": False,
-                "attention_type": "mha", "num_experts": hf["num_local_experts"],
-                "num_experts_per_tok": hf["num_experts_per_tok"], "norm_topk_prob": True,
-                "routed_score_func": "softmax", "shared_experts": 0, **_rope_keys(hf)}
+        return {"decoder_block": "mixtral", **_mha_keys(hf), "base_mlp_dim": hf["intermediate_size"],
+                "base_moe_mlp_dim": hf["intermediate_size"], "qk_norm": False, "num_experts": hf["num_local_experts"],
+                "norm_topk_prob": True}
+
+    def hf_config(self, cfg):
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_mha_config(cfg),
+                "intermediate_size": cfg.base_moe_mlp_dim, "num_local_experts": cfg.num_experts, "sliding_window": None}
 
 
 class Qwen3Moe(Family):
-    decoder_block = "qwen3_moe"
+    model_type = "qwen3_moe"
 
     def model_keys(self, hf):
         _require(hf, "use_sliding_window", lambda v: not v, "sliding-window attention is not built here")
         _require(hf, "decoder_sparse_step", lambda v: v == 1, "every layer is MoE here")
         _require(hf, "mlp_only_layers", lambda v: not v, "dense layers are the first ones here")
         _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
-        d, h = hf["hidden_size"], hf["num_attention_heads"]
-        return {"decoder_block": "qwen3_moe", "base_emb_dim": d, "base_num_query_heads": h,
-                "base_num_kv_heads": hf.get("num_key_value_heads", h), "head_dim": hf.get("head_dim") or d // h,
+        return {"decoder_block": "qwen3_moe", **_mha_keys(hf),
                 "base_mlp_dim": hf.get("intermediate_size", hf["moe_intermediate_size"]),
-                "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
-                "first_num_dense_layers": 0, "vocab_size": hf["vocab_size"],
-                "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-                "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "qk_norm": True,
-                "attention_type": "mha", "num_experts": hf["num_experts"],
-                "num_experts_per_tok": hf["num_experts_per_tok"], "norm_topk_prob": bool(hf.get("norm_topk_prob")),
-                "routed_score_func": "softmax", "shared_experts": 0, **_rope_keys(hf)}
+                "base_moe_mlp_dim": hf["moe_intermediate_size"], "qk_norm": True, "num_experts": hf["num_experts"],
+                "norm_topk_prob": bool(hf.get("norm_topk_prob"))}
+
+    def hf_config(self, cfg):
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_mha_config(cfg),
+                "intermediate_size": cfg.base_mlp_dim, "moe_intermediate_size": cfg.base_moe_mlp_dim,
+                "num_experts": cfg.num_experts, "norm_topk_prob": bool(cfg.norm_topk_prob), "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "use_sliding_window": False, "attention_bias": False}
 
 
 class DeepSeek(Family):
     """deepseek_v3 (and deepseek_v2, the same layout with softmax, device-limited routing and no bias)."""
 
-    decoder_block = "deepseek"
+    model_type = "deepseek_v3"
 
-    def attention(self, cfg, p):
+    def attention(self, cfg):
         h = cfg.base_num_query_heads
-        a = lambda i, n: f"{p(i)}.self_attn.{n}"  # noqa: E731
-        out = {"self_attention.wkv_a": lambda i: self.linear(a(i, "kv_a_proj_with_mqa.weight")),
-               "self_attention.kv_norm.scale": lambda i: self.vector(a(i, "kv_a_layernorm.weight")),
-               "self_attention.wkv_b": lambda i: self.heads_in(a(i, "kv_b_proj.weight"), h),
-               "self_attention.out": lambda i: self.heads_out(a(i, "o_proj.weight"), h)}
+        rules = [Rule("self_attention.wkv_a", "self_attn.kv_a_proj_with_mqa.weight", "linear"),
+                 Rule("self_attention.kv_norm.scale", "self_attn.kv_a_layernorm.weight", "vector"),
+                 Rule("self_attention.wkv_b", "self_attn.kv_b_proj.weight", "heads_in", h),
+                 Rule("self_attention.out", "self_attn.o_proj.weight", "heads_out", h)]
         if cfg.q_lora_rank:
-            out.update({"self_attention.wq_a": lambda i: self.linear(a(i, "q_a_proj.weight")),
-                        "self_attention.q_norm.scale": lambda i: self.vector(a(i, "q_a_layernorm.weight")),
-                        "self_attention.wq_b": lambda i: self.heads_in(a(i, "q_b_proj.weight"), h)})
-        else:
-            out["self_attention.wq"] = lambda i: self.heads_in(a(i, "q_proj.weight"), h)
-        return out
+            return rules + [Rule("self_attention.wq_a", "self_attn.q_a_proj.weight", "linear"),
+                            Rule("self_attention.q_norm.scale", "self_attn.q_a_layernorm.weight", "vector"),
+                            Rule("self_attention.wq_b", "self_attn.q_b_proj.weight", "heads_in", h)]
+        return rules + [Rule("self_attention.wq", "self_attn.q_proj.weight", "heads_in", h)]
 
-    def bias(self, cfg, p):
-        if not cfg.routed_bias:
-            return {}
-        return {"moe.bias": lambda i: self.vector(f"{p(i)}.mlp.gate.e_score_correction_bias")}
+    def bias(self, cfg):
+        return [Rule("moe.bias", "mlp.gate.e_score_correction_bias", "vector")] if cfg.routed_bias else []
 
     def model_keys(self, hf):
         _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
         _require(hf, "attention_bias", lambda v: not v, "attention projections have no bias here")
-        method = hf.get("topk_method", "noaux_tc" if hf.get("model_type") == "deepseek_v3" else "greedy")
         _require(hf, "topk_method", lambda v: v in ("noaux_tc", "group_limited_greedy", "greedy"),
                  "noaux_tc, group_limited_greedy or greedy")
-        groups = hf.get("n_group") or 1
+        method = hf.get("topk_method", "noaux_tc" if hf.get("model_type") == "deepseek_v3" else "greedy")
+        grouped = (hf.get("n_group") or 1) > 1 and method != "greedy"
         keys = {"decoder_block": "deepseek", "attention_type": "mla", "base_emb_dim": hf["hidden_size"],
                 "base_num_query_heads": hf["num_attention_heads"], "base_num_kv_heads": hf["num_attention_heads"],
                 "head_dim": hf["qk_nope_head_dim"], "base_mlp_dim": hf["intermediate_size"],
@@ -224,8 +239,8 @@ class DeepSeek(Family):
                 "routed_score_func": hf.get("scoring_func", "softmax"), "norm_topk_prob": bool(hf.get("norm_topk_prob")),
                 "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
                 "routed_bias": method == "noaux_tc", "mtp_num_layers": hf.get("num_nextn_predict_layers", 0) or 0,
-                "n_routing_groups": groups if groups > 1 and method != "greedy" else None,
-                "topk_routing_group": hf.get("topk_group") if groups > 1 and method != "greedy" else None,
+                "n_routing_groups": hf["n_group"] if grouped else None,
+                "topk_routing_group": hf.get("topk_group") if grouped else None,
                 "routing_group_score": "max" if method == "group_limited_greedy" else "topk_sum", **_rope_keys(hf)}
         if "rope_type" not in keys:
             raise ConfigError("config.json: a DeepSeek model without YaRN rope_scaling is not supported (its rotary "
@@ -233,5 +248,81 @@ class DeepSeek(Family):
         keys["rope_interleave"] = bool(hf.get("rope_interleave", True))  # DeepSeek's release: interleaved pairs
         return keys
 
+    def hf_config(self, cfg):
+        if cfg.rope_type != "yarn" or not cfg.rope_interleave:
+            raise ConfigError("a DeepSeek export needs rope_type=yarn with rope_interleave=true (the rotary layout of "
+                              "DeepSeek's modelling code)")
+        method = ("noaux_tc" if cfg.routed_bias else
+                  "group_limited_greedy" if cfg.n_routing_groups and cfg.routing_group_score == "max" else "greedy")
+        v3 = cfg.routed_bias
+        return {"architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+                "model_type": "deepseek_v3" if v3 else "deepseek_v2", "hidden_size": cfg.base_emb_dim,
+                "num_attention_heads": cfg.base_num_query_heads, "num_key_value_heads": cfg.base_num_query_heads,
+                "intermediate_size": cfg.base_mlp_dim, "moe_intermediate_size": cfg.base_moe_mlp_dim,
+                "num_hidden_layers": cfg.base_num_decoder_layers, "first_k_dense_replace": cfg.first_num_dense_layers,
+                "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.normalization_layer_epsilon,
+                "tie_word_embeddings": bool(cfg.logits_via_embedding), "q_lora_rank": cfg.q_lora_rank or None,
+                "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+                "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+                "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+                "n_shared_experts": cfg.shared_experts, "scoring_func": cfg.routed_score_func,
+                "norm_topk_prob": bool(cfg.norm_topk_prob), "routed_scaling_factor": cfg.routed_scaling_factor,
+                "topk_method": method, "n_group": cfg.n_routing_groups or 1, "topk_group": cfg.topk_routing_group or 1,
+                "num_nextn_predict_layers": cfg.mtp_num_layers, "hidden_act": "silu", "attention_bias": False,
+                "rope_interleave": True, **_rope_config(cfg)}
+
 
 FAMILIES = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepSeek, "deepseek_v2": DeepSeek}
+DECODER_BLOCKS = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek": DeepSeek}
+
+
+def top_level(cfg) -> list[Rule]:
+    """The params outside the decoder layers (paths from the params root; names from the checkpoint root)."""
+    rules = [Rule("token_embedder.embedding", "model.embed_tokens.weight", "vector"),
+             Rule("decoder_norm.scale", "model.norm.weight", "vector")]
+    if not cfg.logits_via_embedding:
+        rules.append(Rule("token_embedder.logits_dense", "lm_head.weight", "linear"))
+    return rules
+
+
+def mtp_rules() -> list[Rule]:
+    """An MTP depth's own params (paths under mtp.mtp_<depth>; names under its layer prefix)."""
+    return [Rule("embedding_norm.scale", "enorm.weight", "vector"), Rule("hidden_norm.scale", "hnorm.weight", "vector"),
+            Rule("final_norm.scale", "shared_head.norm.weight", "vector"),
+            Rule("projection", "eh_proj.weight", "mtp_projection")]
+
+
+class Placement(NamedTuple):
+    """Where one leaf of the saved tree {"params", "nnx_aux"} comes from: a rule applied under each of
+    `prefixes` (Hugging Face layer prefixes), stacked on a leading axis when `stacked` (scanned layers)."""
+
+    key: tuple
+    rule: Rule
+    prefixes: tuple
+    stacked: bool
+
+
+def placements(cfg, family: Family) -> list[Placement]:
+    """Every leaf of the saved tree, with its source, for this config (scanned or not, MTP depths included)."""
+    from MaxText.config import layer_counts
+
+    out = [Placement(("params", *r.ours.split(".")), r, ("",), False) for r in top_level(cfg)]
+    num_dense, num_moe = layer_counts(cfg)
+    for stack, count, first, moe in (("dense_layers", num_dense, 0, False), ("moe_layers", num_moe, num_dense, True)):
+        if not count:
+            continue
+        prefixes = [f"model.layers.{first + j}." for j in range(count)]
+        for root, rules in (("params", family.layer(cfg, moe)), ("nnx_aux", family.bias(cfg) if moe else [])):
+            for r in rules:
+                if cfg.scan_layers:
+                    out.append(Placement((root, stack, "layers", *r.ours.split(".")), r, tuple(prefixes), True))
+                else:
+                    out += [Placement((root, stack, f"layers_{j}", *r.ours.split(".")), r, (p,), False)
+                            for j, p in enumerate(prefixes)]
+    for depth in range(1, cfg.mtp_num_layers + 1):
+        prefix = (f"model.layers.{cfg.base_num_decoder_layers + depth - 1}.",)
+        base = ("mtp", f"mtp_{depth}")
+        out += [Placement(("params", *base, *r.ours.split(".")), r, prefix, False) for r in mtp_rules()]
+        for root, rules in (("params", family.layer(cfg, True)), ("nnx_aux", family.bias(cfg))):
+            out += [Placement((root, *base, "layer", *r.ours.split(".")), r, prefix, False) for r in rules]
+    return out

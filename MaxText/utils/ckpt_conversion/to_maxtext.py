@@ -33,8 +33,8 @@ import tempfile
 import numpy as np
 import yaml
 
-from MaxText.config import ConfigError, layer_counts, load_config
-from MaxText.utils.ckpt_conversion.families import FAMILIES
+from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
 
 # Tensors a release carries that have no parameter of their own here.
@@ -81,91 +81,72 @@ def check_agrees(cfg, keys: dict, model_name: str) -> None:
                               "model_name to import under the derived model.yml, or fix the directory")
 
 
-def tensors_by_path(cfg, family) -> dict[tuple, callable]:
-    """{path in the saved tree: () -> array in this trainer's layout} for every params and nnx_aux leaf."""
-    num_dense, num_moe = layer_counts(cfg)
-    prefix = lambda i: f"model.layers.{i}"  # noqa: E731
-    out = {("params", "token_embedder", "embedding"): lambda: family.vector("model.embed_tokens.weight"),
-           ("params", "decoder_norm", "scale"): lambda: family.vector("model.norm.weight")}
-    if not cfg.logits_via_embedding:
-        out[("params", "token_embedder", "logits_dense")] = lambda: family.linear("lm_head.weight")
-    stacks = [("dense_layers", num_dense, 0, False), ("moe_layers", num_moe, num_dense, True)]
-    for stack, count, first, moe in stacks:
-        if not count:
-            continue
-        groups = [("params", family.layer(cfg, prefix, moe))] + ([("nnx_aux", family.bias(cfg, prefix))] if moe else [])
-        for root, mapping in groups:
-            for rel, tensor in mapping.items():
-                rel = tuple(rel.split("."))
-                if cfg.scan_layers:  # a list: one callable per layer, stacked by build()
-                    out[(root, stack, "layers", *rel)] = [lambda tensor=tensor, i=first + j: tensor(i)
-                                                          for j in range(count)]
-                else:
-                    for j in range(count):
-                        out[(root, stack, f"layers_{j}", *rel)] = lambda tensor=tensor, i=first + j: tensor(i)
-    if cfg.mtp_num_layers:
-        n = cfg.base_num_decoder_layers
-        mtp = lambda i: f"model.layers.{n + i - 1}"  # noqa: E731 - depth i (1-based) is layer n + i - 1
-        d = cfg.base_emb_dim
-        for depth in range(1, cfg.mtp_num_layers + 1):
-            base = ("mtp", f"mtp_{depth}")
-            p = mtp(depth)
-            out[("params", *base, "embedding_norm", "scale")] = lambda p=p: family.vector(f"{p}.enorm.weight")
-            out[("params", *base, "hidden_norm", "scale")] = lambda p=p: family.vector(f"{p}.hnorm.weight")
-            out[("params", *base, "final_norm", "scale")] = lambda p=p: family.vector(f"{p}.shared_head.norm.weight")
-            # eh_proj [D, 2D] takes [embedding, hidden]; ours [2D, D] takes [hidden, embedding].
-            out[("params", *base, "projection")] = lambda p=p: np.concatenate(
-                [family.linear(f"{p}.eh_proj.weight")[d:], family.linear(f"{p}.eh_proj.weight")[:d]])
-            for root, mapping in (("params", family.layer(cfg, mtp, True)), ("nnx_aux", family.bias(cfg, mtp))):
-                for rel, tensor in mapping.items():
-                    out[(root, *base, "layer", *rel.split("."))] = lambda tensor=tensor, depth=depth: tensor(depth)
-    return out
+class Reader:
+    """Hugging Face tensors as float32 (FP8 dequantized), with the names read recorded."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.used, self.last = ckpt, set(), ""
+
+    def __call__(self, name: str) -> np.ndarray:
+        self.used.update((name, name + "_scale_inv"))
+        self.last = name
+        return self.ckpt.weight(name)
 
 
-def _mtp_extras(cfg, ckpt: Checkpoint, family) -> list[str]:
-    """The release's MTP layer copies of the embedding and head: checked equal to the main ones, then counted used."""
-    names = []
+def _layer_array(place: Placement, prefix: str, read: Reader, cfg) -> np.ndarray:
+    """One layer's (or the model's) parameter of a placement, in this trainer's layout."""
+    rule = place.rule
+    if rule.kind != "experts":
+        return to_ours(rule, lambda name: read(prefix + name))
+    experts = []
+    for e in range(cfg.num_experts):
+        experts.append(read(prefix + rule.theirs.format(e=e)).T)
+        if experts[-1].shape != experts[0].shape:
+            raise ConfigError(f"tensor {read.last} is {list(experts[-1].T.shape)}, unlike "
+                              f"{prefix + rule.theirs.format(e=0)} ({list(experts[0].T.shape)})")
+    return np.stack(experts)
+
+
+def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> None:
+    """The release's MTP layers carry copies of the embedding and head: checked equal to the main ones."""
     for depth in range(1, cfg.mtp_num_layers + 1):
         p = f"model.layers.{cfg.base_num_decoder_layers + depth - 1}"
         for copy, main in ((f"{p}.embed_tokens.weight", "model.embed_tokens.weight"),
                            (f"{p}.shared_head.head.weight", "lm_head.weight")):
-            if copy in ckpt:
-                if ckpt.shape(copy) != ckpt.shape(main) or not np.array_equal(family.w(copy), family.w(main)):
+            if copy in ckpt and main in ckpt:
+                if ckpt.shape(copy) != ckpt.shape(main) or not np.array_equal(read(copy), read(main)):
                     raise ConfigError(f"tensor {copy} differs from {main}; this trainer's MTP shares the main model's")
-                names.append(copy)
-    return names
 
 
 def build(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> dict:
     """The saved tree {"params", "nnx_aux"?} as numpy arrays in the leaves' dtypes, every leaf from a tensor."""
     import jax
 
-    sources = tensors_by_path(cfg, family)
+    sources = {place.key: place for place in placements(cfg, family)}
+    read = Reader(ckpt)
     tree, missing = {}, []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-        if key not in sources:
-            missing.append(".".join(map(str, key)))
+        place = sources.pop(key, None)
+        if place is None:
+            missing.append(jax.tree_util.keystr(path))
             continue
-        source, name = sources.pop(key), ".".join(map(str, key))
-        layers = source if isinstance(source, list) else [source]
-        want = tuple(leaf.shape[1:]) if isinstance(source, list) else tuple(leaf.shape)
+        want = tuple(leaf.shape[1:]) if place.stacked else tuple(leaf.shape)
         parts = []
-        for layer in layers:
-            part = layer()
-            if tuple(part.shape) != want:
-                raise ConfigError(f"tensor {family.last} gives {name} the shape {list(part.shape)} but this config needs "
-                                  f"{list(want)}; check the model keys against config.json")
-            parts.append(part)
-        array = np.stack(parts) if isinstance(source, list) else parts[0]
+        for prefix in place.prefixes:
+            parts.append(_layer_array(place, prefix, read, cfg))
+            if tuple(parts[-1].shape) != want:
+                raise ConfigError(f"tensor {read.last} gives {jax.tree_util.keystr(path)} the shape "
+                                  f"{list(parts[-1].shape)} but this config needs {list(want)}; check the model keys "
+                                  "against config.json")
         node = tree
         for k in key[:-1]:
             node = node.setdefault(k, {})
-        node[key[-1]] = np.asarray(array, leaf.dtype)
+        node[key[-1]] = np.asarray(np.stack(parts) if place.stacked else parts[0], leaf.dtype)
     if missing:
-        raise ConfigError(f"parameter {missing[0]} has no tensor in the directory ({len(missing)} such)")
-    used = family.used | set(_mtp_extras(cfg, ckpt, family))
-    unused = [n for n in ckpt.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
+        raise ConfigError(f"parameter {missing[0]} has no rule here ({len(missing)} such)")
+    _mtp_copies(cfg, ckpt, read)
+    unused = [n for n in ckpt.names() if n not in read.used and not n.endswith(IGNORED_SUFFIXES)]
     if cfg.mtp_num_layers == 0:
         mtp_prefix = f"model.layers.{cfg.base_num_decoder_layers}."
         skipped = [n for n in unused if n.startswith(mtp_prefix)]
@@ -191,7 +172,7 @@ def convert(argv: list[str], log=print) -> str:
     hf_dir, out_dir, rest = _split_argv(argv)
     hf = read_hf_config(hf_dir)
     ckpt = Checkpoint(hf_dir)
-    family = FAMILIES[hf["model_type"]](ckpt)
+    family = FAMILIES[hf["model_type"]]()
     keys = family.model_keys(hf)
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(os.path.join(out_dir, "0")):
@@ -233,16 +214,7 @@ def convert(argv: list[str], log=print) -> str:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
-        convert(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return tool_main(convert, argv, __doc__)
 
 
 if __name__ == "__main__":
