@@ -1,10 +1,11 @@
-"""Hugging Face checkpoint directories in the safetensors format, read lazily through numpy memory maps.
+"""Hugging Face checkpoint directories in the safetensors format, each tensor read only when asked for.
 
 The format: an 8-byte little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
 "data_offsets": [begin, end]}, "__metadata__": {...}}, then the tensors' bytes (offsets relative to the end
 of the header). The `safetensors` package's numpy interface cannot return bfloat16 or float8 tensors (numpy
-has neither; ml_dtypes does), which DeepSeek-V3's release is made of, so this module maps the file itself:
-a tensor is a view into the file, and only the pages a conversion touches are read.
+has neither; ml_dtypes does), which DeepSeek-V3's release is made of, so this module reads the file itself:
+the headers up front, then one tensor's bytes per get() (np.fromfile at its offset; not a memory map, whose
+touched pages would stay in the process's resident set for the whole conversion).
 
 A directory holds one `model.safetensors`, or shards named by `model.safetensors.index.json`'s weight_map, or
 (without an index) any number of `*.safetensors` files.
@@ -44,7 +45,7 @@ def _header(path: str) -> tuple[dict, int]:
 
 
 class Checkpoint:
-    """The tensors of a Hugging Face checkpoint directory by name: get(name) is a read-only numpy view."""
+    """The tensors of a Hugging Face checkpoint directory by name: get(name) reads one from its file."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -73,7 +74,6 @@ class Checkpoint:
             if absent:
                 raise ConfigError(f"{absent[0]} is listed in model.safetensors.index.json but is in none of its "
                                   f"files ({len(absent)} such tensors)")
-        self._maps: dict[str, np.memmap] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -90,7 +90,7 @@ class Checkpoint:
         return self.entries[name]
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as stored (a read-only view into its file)."""
+        """The tensor as stored (its dtype and shape), read from its file."""
         path, entry, start = self._entry(name)
         if entry["dtype"] not in DTYPES:
             raise ConfigError(f"tensor {name} in {path} has dtype {entry['dtype']}, which is not supported")
@@ -99,9 +99,20 @@ class Checkpoint:
         shape = tuple(entry["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise ConfigError(f"tensor {name} in {path}: {end - begin} bytes do not hold {entry['dtype']} {list(shape)}")
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, np.uint8, mode="r")
-        return self._maps[path][start + begin:start + end].view(dtype).reshape(shape)
+        return np.fromfile(path, dtype, count=math.prod(shape), offset=start + begin).reshape(shape)
+
+    def weight_shape(self, name: str) -> tuple[int, ...]:
+        """A weight's shape, its FP8 block scales checked (from the headers; nothing read)."""
+        shape = self.shape(name)
+        if self._entry(name)[1]["dtype"] == "F8_E4M3":
+            scale = name + "_scale_inv"
+            if scale not in self:
+                raise ConfigError(f"tensor {name} is float8 but {scale} (its 128x128 block scales) is missing")
+            want = tuple(-(-n // FP8_BLOCK) for n in shape)
+            if self.shape(scale) != want:
+                raise ConfigError(f"tensor {scale} is {list(self.shape(scale))}; {name} {list(shape)} needs {list(want)} "
+                                  f"(one per {FP8_BLOCK}x{FP8_BLOCK} block)")
+        return shape
 
     def weight(self, name: str) -> np.ndarray:
         """A weight as float32: FP8 weights multiplied by their `<name>_scale_inv` blocks (DeepSeek's release)."""

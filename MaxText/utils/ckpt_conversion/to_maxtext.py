@@ -18,18 +18,22 @@ is one line naming the tensor, and nothing is written. The MTP layer of DeepSeek
 (model.layers.<num_hidden_layers>) is imported when the config keeps mtp_num_layers, skipped (with a line)
 when it is 0.
 
-Memory: this version assembles each parameter (all layers of a scanned stack) in host memory, then writes the
-whole tree with Orbax: peak memory is about twice the float32 model. Streaming layer by layer is not done yet.
+Memory: every name and shape is checked from the headers first (nothing written before); then the params are
+written tensor by tensor (write_items), so the host holds about the largest single tensor, not the model
+(python -m MaxText.benchmarks.ckpt_conversion measures it).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import sys
 import tempfile
+from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 import yaml
 
@@ -93,22 +97,47 @@ class Reader:
         return self.ckpt.weight(name)
 
 
+def _shape(rule, prefix: str, ckpt: Checkpoint, cfg) -> tuple:
+    """This trainer's shape of one layer's parameter, from the stored shapes alone (no data read)."""
+    if rule.kind == "experts":
+        names = [prefix + rule.theirs.format(e=e) for e in range(cfg.num_experts)]
+        shapes = [ckpt.weight_shape(n) for n in names]
+        for name, shape in zip(names, shapes):
+            if shape != shapes[0]:
+                raise ConfigError(f"tensor {name} is {list(shape)}, unlike {names[0]} ({list(shapes[0])})")
+        return (cfg.num_experts, *shapes[0][::-1])
+    shape = ckpt.weight_shape(prefix + rule.theirs)
+    if rule.kind == "vector":
+        return shape
+    if len(shape) != 2:
+        raise ConfigError(f"tensor {prefix + rule.theirs} is {list(shape)}, not a matrix")
+    out, inp = shape
+    if rule.kind in ("heads_in", "heads_out") and (out if rule.kind == "heads_in" else inp) % rule.heads:
+        raise ConfigError(f"tensor {prefix + rule.theirs} is {list(shape)}, which does not split into {rule.heads} heads")
+    if rule.kind == "heads_in":
+        return inp, rule.heads, out // rule.heads
+    if rule.kind == "heads_out":
+        return rule.heads, inp // rule.heads, out
+    return inp, out  # linear, mtp_projection
+
+
 def _layer_array(place: Placement, prefix: str, read: Reader, cfg) -> np.ndarray:
     """One layer's (or the model's) parameter of a placement, in this trainer's layout."""
+    if place.rule.kind != "experts":
+        return to_ours(place.rule, lambda name: read(prefix + name))
+    return np.stack([read(prefix + place.rule.theirs.format(e=e)).T for e in range(cfg.num_experts)])
+
+
+def _names(place: Placement, prefix: str, cfg) -> list[str]:
     rule = place.rule
-    if rule.kind != "experts":
-        return to_ours(rule, lambda name: read(prefix + name))
-    experts = []
-    for e in range(cfg.num_experts):
-        experts.append(read(prefix + rule.theirs.format(e=e)).T)
-        if experts[-1].shape != experts[0].shape:
-            raise ConfigError(f"tensor {read.last} is {list(experts[-1].T.shape)}, unlike "
-                              f"{prefix + rule.theirs.format(e=0)} ({list(experts[0].T.shape)})")
-    return np.stack(experts)
+    if rule.kind == "experts":
+        return [prefix + rule.theirs.format(e=e) for e in range(cfg.num_experts)]
+    return [prefix + rule.theirs]
 
 
-def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> None:
+def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> set[str]:
     """The release's MTP layers carry copies of the embedding and head: checked equal to the main ones."""
+    copies = set()
     for depth in range(1, cfg.mtp_num_layers + 1):
         p = f"model.layers.{cfg.base_num_decoder_layers + depth - 1}"
         for copy, main in ((f"{p}.embed_tokens.weight", "model.embed_tokens.weight"),
@@ -116,37 +145,41 @@ def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> None:
             if copy in ckpt and main in ckpt:
                 if ckpt.shape(copy) != ckpt.shape(main) or not np.array_equal(read(copy), read(main)):
                     raise ConfigError(f"tensor {copy} differs from {main}; this trainer's MTP shares the main model's")
+                copies.add(copy)
+    return copies
 
 
-def build(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> dict:
-    """The saved tree {"params", "nnx_aux"?} as numpy arrays in the leaves' dtypes, every leaf from a tensor."""
+class Leaf(NamedTuple):
+    key: tuple          # path in the saved tree
+    place: Placement
+    shape: tuple        # the leaf's full shape
+    dtype: np.dtype
+
+
+def plan_leaves(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> list[Leaf]:
+    """Every leaf of the saved tree with its source, checked against the stored shapes and names before anything
+    is read or written: a parameter without a tensor, a tensor without a place, a shape that differs."""
     import jax
 
     sources = {place.key: place for place in placements(cfg, family)}
-    read = Reader(ckpt)
-    tree, missing = {}, []
+    leaves, used = [], set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
         place = sources.pop(key, None)
         if place is None:
-            missing.append(jax.tree_util.keystr(path))
-            continue
+            raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has no rule here")
         want = tuple(leaf.shape[1:]) if place.stacked else tuple(leaf.shape)
-        parts = []
         for prefix in place.prefixes:
-            parts.append(_layer_array(place, prefix, read, cfg))
-            if tuple(parts[-1].shape) != want:
-                raise ConfigError(f"tensor {read.last} gives {jax.tree_util.keystr(path)} the shape "
-                                  f"{list(parts[-1].shape)} but this config needs {list(want)}; check the model keys "
-                                  "against config.json")
-        node = tree
-        for k in key[:-1]:
-            node = node.setdefault(k, {})
-        node[key[-1]] = np.asarray(np.stack(parts) if place.stacked else parts[0], leaf.dtype)
-    if missing:
-        raise ConfigError(f"parameter {missing[0]} has no rule here ({len(missing)} such)")
-    _mtp_copies(cfg, ckpt, read)
-    unused = [n for n in ckpt.names() if n not in read.used and not n.endswith(IGNORED_SUFFIXES)]
+            got = _shape(place.rule, prefix, ckpt, cfg)
+            if got != want:
+                raise ConfigError(f"tensor {_names(place, prefix, cfg)[0]} gives {jax.tree_util.keystr(path)} the shape "
+                                  f"{list(got)} but this config needs {list(want)}; check the model keys against "
+                                  "config.json")
+            for name in _names(place, prefix, cfg):
+                used.update((name, name + "_scale_inv"))
+        leaves.append(Leaf(key, place, tuple(leaf.shape), np.dtype(leaf.dtype)))
+    used |= _mtp_copies(cfg, ckpt, Reader(ckpt))
+    unused = [n for n in ckpt.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
     if cfg.mtp_num_layers == 0:
         mtp_prefix = f"model.layers.{cfg.base_num_decoder_layers}."
         skipped = [n for n in unused if n.startswith(mtp_prefix)]
@@ -156,17 +189,76 @@ def build(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> dict:
     if unused:
         raise ConfigError(f"tensor {unused[0]} has no place in this model ({len(unused)} such); check model_name and "
                           "the model keys against config.json")
-    return tree
+    return leaves
+
+
+ZARR_DTYPES = {np.dtype(np.float32): "<f4", np.dtype(np.float16): "<f2", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
+
+
+def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> None:
+    """Orbax's (non-OCDBT) layout of the saved tree, written one layer of one parameter at a time: Orbax writes the
+    tree's structure with one-element stand-ins, then each array is recreated full size by TensorStore (a zarr
+    array per parameter, a chunk per layer) and filled layer by layer, and the shapes in Orbax's metadata are
+    set to the real ones. Peak memory: the largest single tensor (with its float32 copy): the embedding or the
+    head, not the model, nor a layer's stacked experts (written expert by expert)."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    stand_ins = {}
+    for leaf in leaves:
+        node = stand_ins
+        for k in leaf.key[:-1]:
+            node = node.setdefault(k, {})
+        node[leaf.key[-1]] = jnp.zeros((1,) * len(leaf.shape), leaf.dtype)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+        checkpointer.save(item_dir, args=ocp.args.PyTreeSave(stand_ins))
+    del stand_ins
+    read = Reader(ckpt)
+    chunks = {}
+    for leaf in leaves:
+        name = ".".join(leaf.key)
+        experts = leaf.place.rule.kind == "experts"
+        lead = (1,) * (int(leaf.place.stacked) + int(experts))  # one chunk per layer, and per expert
+        chunk = (*lead, *leaf.shape[len(lead):])
+        chunks[name] = chunk
+        array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(item_dir, name)},
+                         "metadata": {"shape": list(leaf.shape), "chunks": list(chunk), "dtype": ZARR_DTYPES[leaf.dtype],
+                                      "compressor": None, "dimension_separator": "."}},
+                        create=True, delete_existing=True).result()
+        for j, prefix in enumerate(leaf.place.prefixes):
+            layer = array[j] if leaf.place.stacked else array
+            if experts:  # expert by expert: at most one expert's weight in memory
+                for e, expert in enumerate(_names(leaf.place, prefix, cfg)):
+                    layer[e].write(np.asarray(read(expert).T, leaf.dtype)).result()
+            else:
+                layer.write(np.asarray(_layer_array(leaf.place, prefix, read, cfg), leaf.dtype)).result()
+    meta_path = os.path.join(item_dir, "_METADATA")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    shapes = {".".join(leaf.key): list(leaf.shape) for leaf in leaves}
+    for entry in meta["tree_metadata"].values():
+        name = ".".join(str(k["key"]) for k in entry["key_metadata"])
+        entry["value_metadata"]["write_shape"] = shapes[name]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    for path in glob.glob(os.path.join(item_dir, "array_metadatas", "*")):
+        with open(path) as f:
+            arrays = json.load(f)
+        for entry in arrays.get("array_metadatas", []):
+            info = entry["array_metadata"]
+            info["write_shape"], info["chunk_shape"] = shapes[info["param_name"]], list(chunks[info["param_name"]])
+        with open(path, "w") as f:
+            json.dump(arrays, f)
 
 
 def convert(argv: list[str], log=print) -> str:
     """Runs the import; returns the item directory written."""
     import jax
     import orbax.checkpoint as ocp
-    from etils import epath
 
     from MaxText import plan, sharding
-    from MaxText.checkpointing import CHECKSUMS, ITEM, state_manifest
+    from MaxText.checkpointing import CHECKSUMS, ITEM
     from MaxText.state import state_spec
 
     hf_dir, out_dir, rest = _split_argv(argv)
@@ -175,13 +267,14 @@ def convert(argv: list[str], log=print) -> str:
     family = FAMILIES[hf["model_type"]]()
     keys = family.model_keys(hf)
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(os.path.join(out_dir, "0")):
-        raise ConfigError(f"{out_dir}/0 exists already; choose another base_output_directory")
+    step_dir = os.path.join(out_dir, "0")
+    if os.path.exists(step_dir):
+        raise ConfigError(f"{step_dir} exists already; choose another base_output_directory")
     config_args = [a for a in rest if a.endswith((".yml", ".yaml")) and "=" not in a][:1]
     overrides = [a for a in rest if a not in config_args]
     named = next((a.split("=", 1)[1] for a in overrides if a.startswith("model_name=")), None)
     model_yml = os.path.join(out_dir, "model.yml")
-    with tempfile.TemporaryDirectory() as staging:  # nothing is written under out_dir before all is read
+    with tempfile.TemporaryDirectory() as staging:
         if named:
             cfg = load_config(config_args + overrides)
             check_agrees(cfg, keys, named)
@@ -192,24 +285,29 @@ def convert(argv: list[str], log=print) -> str:
                         "MaxText.utils.ckpt_conversion.to_maxtext\n")
                 yaml.safe_dump(keys, f, sort_keys=False)
             cfg = load_config(config_args + [f"model_name={staged}"] + overrides)
-        mesh = plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES})
-        spec = state_spec(cfg, mesh)
+        spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
         abstract = {"params": spec.abstract["params"]}
         if "nnx_aux" in spec.abstract:
             abstract["nnx_aux"] = spec.abstract["nnx_aux"]
-        tree = build(cfg, ckpt, family, abstract, log)
-        os.makedirs(out_dir, exist_ok=True)
-        if not named:
-            shutil.copy(staged, model_yml)
-    arrays = jax.tree.map(jax.numpy.asarray, tree)
-    with ocp.CheckpointManager(epath.Path(out_dir), item_names=(ITEM, CHECKSUMS)) as manager:
-        manager.save(0, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(arrays),
-                                                   CHECKSUMS: ocp.args.JsonSave(state_manifest(arrays))}))
-        manager.wait_until_finished()
-    item = os.path.join(out_dir, "0", ITEM)
+        leaves = plan_leaves(cfg, ckpt, family, abstract, log)  # every check before anything is written
+        partial = os.path.join(out_dir, ".0.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        try:
+            write_items(os.path.join(partial, ITEM), leaves, ckpt, cfg)
+            manifest = {"arrays": {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in leaf.key)):
+                                   {"shape": list(leaf.shape)} for leaf in leaves}}
+            with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+                checkpointer.save(os.path.join(partial, CHECKSUMS), args=ocp.args.JsonSave(manifest))
+            if not named:
+                shutil.copy(staged, model_yml)
+            os.replace(partial, step_dir)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    item = os.path.join(step_dir, ITEM)
     log(f"imported {hf_dir} ({hf['model_type']}) into {item}"
         + (f"; model keys in {model_yml}" if not named else "")
-        + (" with the MoE routing biases" if "nnx_aux" in tree else ""))
+        + (" with the MoE routing biases" if "nnx_aux" in abstract else ""))
     return item
 
 
