@@ -25,13 +25,14 @@ def imported(tmp_path, config, tensors, *extra, shards=2):
     return item, out, lines
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_import_then_forward_matches_the_published_forward(tmp_path, family):
+@pytest.mark.parametrize("family,scan", [("mixtral", "true"), ("qwen3_moe", "true"), ("qwen3_moe", "false")])
+def test_import_then_forward_matches_the_published_forward(tmp_path, family, scan):
+    """Scanned layers (stacked on a leading axis) or unscanned (one entry per layer)."""
     config, tensors = hf_tiny.mixtral_or_qwen3(family)
-    item, out, lines = imported(tmp_path, config, tensors)
+    item, out, lines = imported(tmp_path, config, tensors, f"scan_layers={scan}")
     assert item == f"{out}/0/items" and lines[-1].startswith(f"imported {tmp_path}/hf ({family})"), lines
     cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON,
-                       "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])
+                       "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", f"scan_layers={scan}"])
     rows = np.random.default_rng(1).integers(0, hf_tiny.V, (2, 12))
     logits = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
     for b in range(2):
@@ -248,3 +249,18 @@ def test_export_mistakes_are_one_line(tmp_path, capsys, case, phrase):
     assert to_huggingface.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and phrase in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_transformers_reads_the_exported_config_as_the_same_family(tmp_path, family):
+    """Where Hugging Face transformers is installed (it is not a requirement here): AutoConfig reads the exported
+    config.json as the family's own config class with the same sizes. Run by hand on 2026-12-01 with
+    transformers 5.24.0 (configs only: loading weights needs PyTorch)."""
+    transformers = pytest.importorskip("transformers")
+    config, tensors = hf_tiny.deepseek_v3() if family == "deepseek_v3" else hf_tiny.mixtral_or_qwen3(family)
+    item, out, _ = imported(tmp_path, config, tensors)
+    hf_out, _ = _export(tmp_path, out, item)
+    loaded = transformers.AutoConfig.from_pretrained(str(hf_out))
+    assert loaded.model_type == family
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok"):
+        assert getattr(loaded, key) == config[key], key

@@ -90,7 +90,8 @@ def _rope_keys(hf: dict) -> dict:
 
 def _rope_config(cfg) -> dict:
     out = {"rope_theta": float(cfg.rope_max_timescale), "rope_scaling": None}
-    if cfg.rope_type == "yarn":
+    if cfg.rope_type == "yarn":  # transformers checks the context length against factor x the original
+        out["max_position_embeddings"] = int(round(cfg.original_max_position_embeddings * cfg.rope_factor))
         out["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "mscale": cfg.mscale,
                                "mscale_all_dim": cfg.mscale, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
                                "original_max_position_embeddings": cfg.original_max_position_embeddings}
