@@ -1,6 +1,7 @@
 """The model's forward pass on given tokens, for parity checks and scoring:
 
-    python -m MaxText.forward [config.yml] key=value ... load_parameters_path=<items> --tokens rows.npy --logits_out out.npy
+    python -m MaxText.forward [config.yml] key=value ... load_parameters_path=<items> \\
+        --tokens rows.npy --logits_out out.npy
     python -m MaxText.forward [config.yml] key=value ... load_parameters_path=<items> --text "some text"
 
 --tokens: an .npy of int token ids [B, L] (a single row [L] is taken as B = 1); --logits_out writes the main
@@ -27,7 +28,8 @@ def read_tokens(path: str, vocab_size: int) -> np.ndarray:
     try:
         tokens = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--tokens {path}: cannot read it as an .npy array ({str(e).splitlines()[0][:200]})") from None
+        reason = str(e).splitlines()[0][:200]
+        raise ConfigError(f"--tokens {path}: cannot read it as an .npy array ({reason})") from None
     if tokens.ndim == 1:
         tokens = tokens[None, :]
     if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):

@@ -295,7 +295,8 @@ def markdown() -> str:
              f"| implemented | {len(implemented_keys())} keys of `configs/base.yml`: {_keys(implemented_keys())} | "
              "same name and meaning (defaults are this trainer's) |"]
     for key, ours in MAPPINGS.items():
-        lines.append(f"| mapped | `{key}` | carried over to `{ours}`, with a log line; both set differently: an error |")
+        lines.append(f"| mapped | `{key}` | carried over to `{ours}`, with a log line; both set differently: "
+                     "an error |")
     for kind in (NOOP, REFUSED):
         for group in (g for g in GROUPS if g.kind == kind):
             what = ("accepted with any value, listed in one log line" if kind == NOOP else

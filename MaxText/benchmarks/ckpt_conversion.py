@@ -52,7 +52,8 @@ def synthetic_release(directory: str, layers: int, experts: int, dim: int, fp8: 
               "intermediate_size": inter, "moe_intermediate_size": moe_inter, "n_routed_experts": experts,
               "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "num_hidden_layers": layers, "vocab_size": vocab,
-              "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+              "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+              "topk_method": "noaux_tc",
               "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
               "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}

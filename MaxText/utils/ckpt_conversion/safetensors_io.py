@@ -98,7 +98,8 @@ class Checkpoint:
         begin, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConfigError(f"tensor {name} in {path}: {end - begin} bytes do not hold {entry['dtype']} {list(shape)}")
+            raise ConfigError(f"tensor {name} in {path}: {end - begin} bytes do not hold "
+                              f"{entry['dtype']} {list(shape)}")
         return np.fromfile(path, dtype, count=math.prod(shape), offset=start + begin).reshape(shape)
 
     def weight_shape(self, name: str) -> tuple[int, ...]:
@@ -110,7 +111,8 @@ class Checkpoint:
                 raise ConfigError(f"tensor {name} is float8 but {scale} (its 128x128 block scales) is missing")
             want = tuple(-(-n // FP8_BLOCK) for n in shape)
             if self.shape(scale) != want:
-                raise ConfigError(f"tensor {scale} is {list(self.shape(scale))}; {name} {list(shape)} needs {list(want)} "
+                raise ConfigError(f"tensor {scale} is {list(self.shape(scale))}; {name} {list(shape)} needs "
+                                  f"{list(want)} "
                                   f"(one per {FP8_BLOCK}x{FP8_BLOCK} block)")
         return shape
 
@@ -141,7 +143,8 @@ def write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict | None 
     header, offset = {}, 0
     for name, array in tensors.items():
         size = array.size * array.dtype.itemsize
-        header[name] = {"dtype": NAMES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}

@@ -113,7 +113,8 @@ def _shape(rule, prefix: str, ckpt: Checkpoint, cfg) -> tuple:
         raise ConfigError(f"tensor {prefix + rule.theirs} is {list(shape)}, not a matrix")
     out, inp = shape
     if rule.kind in ("heads_in", "heads_out") and (out if rule.kind == "heads_in" else inp) % rule.heads:
-        raise ConfigError(f"tensor {prefix + rule.theirs} is {list(shape)}, which does not split into {rule.heads} heads")
+        raise ConfigError(f"tensor {prefix + rule.theirs} is {list(shape)}, which does not split into "
+                          f"{rule.heads} heads")
     if rule.kind == "heads_in":
         return inp, rule.heads, out // rule.heads
     if rule.kind == "heads_out":
@@ -172,7 +173,8 @@ def plan_leaves(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> list[Leaf
         for prefix in place.prefixes:
             got = _shape(place.rule, prefix, ckpt, cfg)
             if got != want:
-                raise ConfigError(f"tensor {_names(place, prefix, cfg)[0]} gives {jax.tree_util.keystr(path)} the shape "
+                raise ConfigError(f"tensor {_names(place, prefix, cfg)[0]} gives {jax.tree_util.keystr(path)} "
+                                  "the shape "
                                   f"{list(got)} but this config needs {list(want)}; check the model keys against "
                                   "config.json")
             for name in _names(place, prefix, cfg):
@@ -223,8 +225,9 @@ def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> Non
         chunk = (*lead, *leaf.shape[len(lead):])
         chunks[name] = chunk
         array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(item_dir, name)},
-                         "metadata": {"shape": list(leaf.shape), "chunks": list(chunk), "dtype": ZARR_DTYPES[leaf.dtype],
-                                      "compressor": None, "dimension_separator": "."}},
+                         "metadata": {"shape": list(leaf.shape), "chunks": list(chunk),
+                                      "dtype": ZARR_DTYPES[leaf.dtype], "compressor": None,
+                                      "dimension_separator": "."}},
                         create=True, delete_existing=True).result()
         for j, prefix in enumerate(leaf.place.prefixes):
             layer = array[j] if leaf.place.stacked else array
