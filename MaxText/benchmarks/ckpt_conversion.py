@@ -50,7 +50,7 @@ def synthetic_release(directory: str, layers: int, experts: int, dim: int, fp8: 
     config = {"model_type": "deepseek_v3", "hidden_size": dim, "num_attention_heads": heads, "q_lora_rank": q_rank,
               "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
               "intermediate_size": inter, "moe_intermediate_size": moe_inter, "n_routed_experts": experts,
-              "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+              "num_experts_per_tok": min(8, experts // 2), "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
               "first_k_dense_replace": 1, "num_hidden_layers": layers, "vocab_size": vocab,
               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
               "topk_method": "noaux_tc",
