@@ -146,9 +146,9 @@ def test_load_parameters_path_restores_the_routing_bias(tmp_path):
 
     keys = ["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=16", "per_device_batch_size=1",
             "dataset_type=synthetic", "eval_interval=-1", "enable_tensorboard=false", "routed_bias_update_rate=0.01",
-            f"base_output_directory={tmp_path}"]
-    train_records(load_config(keys + ["run_name=source", "steps=2"]))
-    item = f"{tmp_path}/source/checkpoints/2/items"
+            "base_num_decoder_layers=2", "mtp_num_layers=0", f"base_output_directory={tmp_path}"]
+    train_records(load_config(keys + ["run_name=source", "steps=1"]))
+    item = f"{tmp_path}/source/checkpoints/1/items"
     cfg = load_config(keys + ["run_name=target", f"load_parameters_path={item}"])
     mesh = sharding.create_mesh(cfg)
     spec = state_spec(cfg, mesh)
