@@ -68,6 +68,8 @@ def test_bf16_release_imports_as_its_float32_values(tmp_path):
     ("missing tensor", "tensor model.layers.2.block_sparse_moe.experts.1.w2.weight is not in"),
     ("shape mismatch", "model.layers.1.self_attn.k_proj.weight"),
     ("disagreeing model_name", "config.json gives base_emb_dim=32 but model_name=mixtral-tiny has base_emb_dim=64"),
+    ("truncated shard", "model-00001-of-00002.safetensors is truncated: its header needs"),
+    ("not safetensors", "model-00002-of-00002.safetensors is not a readable safetensors file"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case, phrase):
     config, tensors = hf_tiny.mixtral_or_qwen3("mixtral")
@@ -86,6 +88,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case, phrase
     hf_tiny.write_checkpoint(hf_dir, config, tensors)
     if case == "missing shard":
         os.remove(hf_dir / "model-00002-of-00002.safetensors")
+    elif case == "truncated shard":
+        path = hf_dir / "model-00001-of-00002.safetensors"
+        path.write_bytes(path.read_bytes()[:-100])
+    elif case == "not safetensors":
+        (hf_dir / "model-00002-of-00002.safetensors").write_bytes(b"\xff" * 64)
     code = to_maxtext.main(["configs/base.yml", f"hf_model_path={hf_dir}", f"base_output_directory={out}", *COMMON,
                             *extra])
     err = capsys.readouterr().err.strip()

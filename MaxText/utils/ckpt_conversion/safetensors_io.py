@@ -66,9 +66,12 @@ class Checkpoint:
                 missing = next(t for t, f in weight_map.items() if f == name)
                 raise ConfigError(f"{path} is missing (model.safetensors.index.json puts {missing} there)")
             header, start = _header(path)
-            for tensor, entry in header.items():
-                if tensor != "__metadata__":
-                    self.entries[tensor] = (path, entry, start)
+            tensors = {t: e for t, e in header.items() if t != "__metadata__"}
+            end = start + max((e["data_offsets"][1] for e in tensors.values()), default=0)
+            if os.path.getsize(path) < end:
+                raise ConfigError(f"{path} is truncated: its header needs {end} bytes and the file has "
+                                  f"{os.path.getsize(path)}")
+            self.entries.update({t: (path, e, start) for t, e in tensors.items()})
         if weight_map is not None:
             absent = sorted(set(weight_map) - set(self.entries))
             if absent:
