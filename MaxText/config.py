@@ -252,90 +252,14 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
 def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str,
            foreign: dict[str, tuple[Any, str]]) -> None:
     """Merges one layer's values into `values`; upstream MaxText keys this trainer does not have go to `foreign`
-    ({key: (value, origin)}) for _apply_upstream."""
+    ({key: (value, origin)}) for upstream.apply."""
     for key, value in layer.items():
         if key in defaults:
             values[key] = _coerce(key, value, defaults[key], origin)
         elif key in upstream.upstream_defaults():
-            foreign[key] = (_upstream_value(key, value, origin), origin)
+            foreign[key] = (upstream.parse_value(key, value, origin), origin)
         else:
             raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
-
-
-def _show(value: Any) -> str:
-    """A value as it is written on the command line: true/false, null, '' for the empty string."""
-    if isinstance(value, bool) or value is None:
-        return "null" if value is None else str(value).lower()
-    return _clip(str(value)) if value != "" else "''"
-
-
-def _upstream_value(key: str, value: Any, origin: str) -> Any:
-    """An upstream key's value parsed by the type of upstream's default (loosely where that is null or a map)."""
-    default = upstream.upstream_defaults()[key]
-    if default is None or default == "None" or isinstance(default, dict):
-        if isinstance(value, str):
-            try:
-                return yaml.safe_load(value)
-            except yaml.YAMLError:
-                return value
-        return value
-    return _coerce(key, value, default, origin)
-
-
-def _apply_upstream(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, tuple[Any, str]],
-                    explicit: set[str]) -> None:
-    """Upstream MaxText's keys and values (MaxText/upstream.py): mapped keys carried over onto ours (an error
-    when ours is also set to something else), refused keys checked to be off, no-op keys listed in one log
-    line, and upstream's spellings of our keys' values translated or refused with the reason."""
-    noop = []
-    for key, (value, origin) in foreign.items():
-        if key in upstream.MAPPINGS:
-            ours = upstream.MAPPINGS[key]
-            carried = _coerce(ours, value, defaults[ours], origin)
-            if ours in explicit and values[ours] != carried:
-                raise ConfigError(f"{key}={_show(value)} ({origin}) is MaxText's spelling of {ours}, but "
-                                  f"{ours}={_show(values[ours])} is also set; keep one")
-            values[ours] = carried
-            logging.warning("config: %s=%s is MaxText's spelling of %s; using %s=%s", key, _show(value), ours, ours,
-                            _show(carried))
-            continue
-        group = upstream.group_of(key)
-        if group.kind == upstream.NOOP:
-            noop.append(key)
-            continue
-        accepted = upstream.accepted_values(key, group)
-        if value not in accepted:
-            raise ConfigError(f"{key}={_show(value)} ({origin}) is a MaxText key this trainer does not support: "
-                              f"{group.reason}; remove it or set {key}={_show(accepted[0])}")
-    if noop:
-        logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
-                        ", ".join(sorted(noop)))
-    for key in ("attention_type", "attention", "te_gmm_quantization", "routed_score_func", "hardware",
-                "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy"):
-        value = values[key]
-        if (key, value) in upstream.REFUSED_VALUES:
-            raise ConfigError(f"{key}={value} is a MaxText value this trainer does not support: "
-                              f"{upstream.REFUSED_VALUES[key, value]}")
-        if (key, value) in upstream.VALUE_SPELLINGS:
-            values[key], note = upstream.VALUE_SPELLINGS[key, value]
-            logging.warning("config: %s=%s is MaxText's value for %s; using %s=%s", key, _show(value), note, key,
-                            values[key])
-    if values["logical_axis_rules"] == upstream.upstream_defaults()["logical_axis_rules"]:  # a copied base.yml
-        values["logical_axis_rules"] = defaults["logical_axis_rules"]
-        logging.warning("config: logical_axis_rules is MaxText's default (over its own mesh axes); using this "
-                        "trainer's default rules")
-    policy = upstream.REMAT_POLICIES.get(values["remat_policy"])
-    if policy is not None:
-        saved, note = policy
-        name = values["remat_policy"]
-        if saved == "minimal":
-            values["remat_policy"] = "minimal"
-        else:
-            values["remat_policy"] = "custom"
-            values.update({tensor: saved.get(tensor, "remat") for tensor in REMAT_TENSOR_NAMES})
-        logging.warning("config: remat_policy=%s is MaxText's policy; using remat_policy=%s%s%s", name,
-                        values["remat_policy"], "".join(f" {t}={loc}" for t, loc in saved.items())
-                        if saved != "minimal" else "", f" ({note})" if note else "")
 
 
 def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -384,7 +308,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
         _merge(values, layer, defaults, f"in {path}", foreign)
     _merge(values, overrides, defaults, COMMAND_LINE, foreign)
     explicit = set(overrides).union(*(layer for _, layer in files))
-    _apply_upstream(values, defaults, foreign, explicit)
+    upstream.apply(values, defaults, foreign, explicit)
     _map_upstream_spellings(values, "moe_impl" in explicit)
     if values["model_name"] == "default":  # upstream's name for "no model file"
         values["model_name"] = None

@@ -11,7 +11,8 @@ maxtext_<version>_defaults.json) has one of four behaviours:
                default unless the group says otherwise), and any other value is a one-line error with the
                reason
 
-`python -m MaxText.upstream` prints the table as the README shows it (tests keep the two identical).
+config.load_config hands this module the upstream keys a config sets (parse_value, then apply). `python -m
+MaxText.upstream` prints the table as the README shows it (tests keep the two identical).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import logging
 import os
 import sys
 from typing import Any, NamedTuple
 
+import yaml
+
 UPSTREAM_VERSION = "0.2.5"
 DEFAULTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"maxtext_{UPSTREAM_VERSION}_defaults.json")
 
-NOOP, REFUSED, MAPPED = "no-op", "refused", "mapped"
-_ANY = object()  # a no-op group's accepted values: all
+NOOP, REFUSED = "no-op", "refused"
 
 
 class Group(NamedTuple):
@@ -272,6 +275,85 @@ REFUSED_VALUES = {
     ("remat_policy", "minimal_with_quantization"): "no quantization here: use remat_policy=minimal",
     ("remat_policy", "minimal_with_context_and_quantization"): "no quantization here: use remat_policy=minimal",
 }
+
+
+def show(value: Any) -> str:
+    """A value as it is written on the command line: true/false, null, '' for the empty string."""
+    from MaxText.config import _clip  # here: config imports this module
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    return _clip(str(value)) if value != "" else "''"
+
+
+def parse_value(key: str, value: Any, origin: str) -> Any:
+    """An upstream key's value parsed by the type of upstream's default (loosely where that is null or a map)."""
+    from MaxText.config import _coerce
+    default = upstream_defaults()[key]
+    if default is None or default == "None" or isinstance(default, dict):
+        if isinstance(value, str):
+            try:
+                return yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value
+        return value
+    return _coerce(key, value, default, origin)
+
+
+def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, tuple[Any, str]],
+          explicit: set[str]) -> None:
+    """Upstream MaxText's keys and values, as the tables above give them: mapped keys carried over onto ours (an error
+    when ours is also set to something else), refused keys checked to be off, no-op keys listed in one log
+    line, and upstream's spellings of our keys' values translated or refused with the reason."""
+    from MaxText.config import REMAT_TENSOR_NAMES, ConfigError, _coerce
+    noop = []
+    for key, (value, origin) in foreign.items():
+        if key in MAPPINGS:
+            ours = MAPPINGS[key]
+            carried = _coerce(ours, value, defaults[ours], origin)
+            if ours in explicit and values[ours] != carried:
+                raise ConfigError(f"{key}={show(value)} ({origin}) is MaxText's spelling of {ours}, but "
+                                  f"{ours}={show(values[ours])} is also set; keep one")
+            values[ours] = carried
+            logging.warning("config: %s=%s is MaxText's spelling of %s; using %s=%s", key, show(value), ours, ours,
+                            show(carried))
+            continue
+        group = group_of(key)
+        if group.kind == NOOP:
+            noop.append(key)
+            continue
+        accepted = accepted_values(key, group)
+        if value not in accepted:
+            raise ConfigError(f"{key}={show(value)} ({origin}) is a MaxText key this trainer does not support: "
+                              f"{group.reason}; remove it or set {key}={show(accepted[0])}")
+    if noop:
+        logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
+                        ", ".join(sorted(noop)))
+    for key in ("attention_type", "attention", "te_gmm_quantization", "routed_score_func", "hardware",
+                "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy"):
+        value = values[key]
+        if (key, value) in REFUSED_VALUES:
+            raise ConfigError(f"{key}={value} is a MaxText value this trainer does not support: "
+                              f"{REFUSED_VALUES[key, value]}")
+        if (key, value) in VALUE_SPELLINGS:
+            values[key], note = VALUE_SPELLINGS[key, value]
+            logging.warning("config: %s=%s is MaxText's value for %s; using %s=%s", key, show(value), note, key,
+                            values[key])
+    if values["logical_axis_rules"] == upstream_defaults()["logical_axis_rules"]:  # a copied base.yml
+        values["logical_axis_rules"] = defaults["logical_axis_rules"]
+        logging.warning("config: logical_axis_rules is MaxText's default (over its own mesh axes); using this "
+                        "trainer's default rules")
+    policy = REMAT_POLICIES.get(values["remat_policy"])
+    if policy is not None:
+        saved, note = policy
+        name = values["remat_policy"]
+        if saved == "minimal":
+            values["remat_policy"] = "minimal"
+        else:
+            values["remat_policy"] = "custom"
+            values.update({tensor: saved.get(tensor, "remat") for tensor in REMAT_TENSOR_NAMES})
+        logging.warning("config: remat_policy=%s is MaxText's policy; using remat_policy=%s%s%s", name,
+                        values["remat_policy"], "".join(f" {t}={loc}" for t, loc in saved.items())
+                        if saved != "minimal" else "", f" ({note})" if note else "")
 
 
 def implemented_keys() -> list[str]:
