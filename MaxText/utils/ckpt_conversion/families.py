@@ -13,6 +13,7 @@ rope_type yarn) does here. DeepSeek's MTP projection eh_proj takes [embedding, h
 
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple
 
 import numpy as np
@@ -98,7 +99,7 @@ def _rope_config(cfg) -> dict:
     return out
 
 
-class Family:
+class Family(abc.ABC):
     """One model_type: config.json <-> model keys, and the rules of a decoder layer and of the whole model."""
 
     model_type = ""
@@ -136,11 +137,13 @@ class Family:
         """The routing biases of an MoE layer (nnx_aux)."""
         return []
 
+    @abc.abstractmethod
     def model_keys(self, hf: dict) -> dict:
-        raise NotImplementedError
+        """config.json as this trainer's model keys."""
 
+    @abc.abstractmethod
     def hf_config(self, cfg) -> dict:
-        raise NotImplementedError
+        """This config as the family's config.json."""
 
 
 def _mha_keys(hf: dict) -> dict:

@@ -112,31 +112,30 @@ class Checkpoint:
             scale = name + "_scale_inv"
             if scale not in self:
                 raise ConfigError(f"tensor {name} is float8 but {scale} (its 128x128 block scales) is missing")
-            want = tuple(-(-n // FP8_BLOCK) for n in shape)
-            if self.shape(scale) != want:
-                raise ConfigError(f"tensor {scale} is {list(self.shape(scale))}; {name} {list(shape)} needs "
-                                  f"{list(want)} "
-                                  f"(one per {FP8_BLOCK}x{FP8_BLOCK} block)")
+            _check_blocks(name, shape, self.shape(scale))
         return shape
 
     def weight(self, name: str) -> np.ndarray:
         """A weight as float32: FP8 weights multiplied by their `<name>_scale_inv` blocks (DeepSeek's release)."""
+        self.weight_shape(name)  # the block scales are there and fit, before any data is read
         w = self.get(name)
         if w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
-            scale_name = name + "_scale_inv"
-            if scale_name not in self:
-                raise ConfigError(f"tensor {name} is float8 but {scale_name} (its 128x128 block scales) is missing")
-            return dequantize_fp8(w, self.get(scale_name), name)
+            return dequantize_fp8(w, self.get(name + "_scale_inv"), name)
         return np.asarray(w, np.float32)
+
+
+def _check_blocks(name: str, shape: tuple, scale_shape: tuple) -> None:
+    """ConfigError unless the scales of weight `name` are one per FP8_BLOCK x FP8_BLOCK block of its shape."""
+    want = tuple(-(-n // FP8_BLOCK) for n in shape)
+    if tuple(scale_shape) != want:
+        raise ConfigError(f"tensor {name}_scale_inv is {list(scale_shape)}; {name} {list(shape)} needs {list(want)} "
+                          f"(one per {FP8_BLOCK}x{FP8_BLOCK} block)")
 
 
 def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, name: str = "weight") -> np.ndarray:
     """float32 w x scale_inv, one scale per FP8_BLOCK x FP8_BLOCK block (the last blocks may be partial)."""
+    _check_blocks(name, w.shape, scale_inv.shape)
     rows, cols = w.shape
-    want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-    if tuple(scale_inv.shape) != want:
-        raise ConfigError(f"tensor {name}_scale_inv is {list(scale_inv.shape)}; {name} {list(w.shape)} needs "
-                          f"{list(want)} (one per {FP8_BLOCK}x{FP8_BLOCK} block)")
     scale = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
     return np.asarray(w, np.float32) * scale
 

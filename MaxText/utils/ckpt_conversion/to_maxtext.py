@@ -85,22 +85,11 @@ def check_agrees(cfg, keys: dict, model_name: str) -> None:
                               "model_name to import under the derived model.yml, or fix the directory")
 
 
-class Reader:
-    """Hugging Face tensors as float32 (FP8 dequantized), with the names read recorded."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.used, self.last = ckpt, set(), ""
-
-    def __call__(self, name: str) -> np.ndarray:
-        self.used.update((name, name + "_scale_inv"))
-        self.last = name
-        return self.ckpt.weight(name)
-
-
-def _shape(rule, prefix: str, ckpt: Checkpoint, cfg) -> tuple:
+def _shape(place: Placement, prefix: str, ckpt: Checkpoint, cfg) -> tuple:
     """This trainer's shape of one layer's parameter, from the stored shapes alone (no data read)."""
+    rule = place.rule
     if rule.kind == "experts":
-        names = [prefix + rule.theirs.format(e=e) for e in range(cfg.num_experts)]
+        names = _names(place, prefix, cfg)
         shapes = [ckpt.weight_shape(n) for n in names]
         for name, shape in zip(names, shapes):
             if shape != shapes[0]:
@@ -122,13 +111,6 @@ def _shape(rule, prefix: str, ckpt: Checkpoint, cfg) -> tuple:
     return inp, out  # linear, mtp_projection
 
 
-def _layer_array(place: Placement, prefix: str, read: Reader, cfg) -> np.ndarray:
-    """One layer's (or the model's) parameter of a placement, in this trainer's layout."""
-    if place.rule.kind != "experts":
-        return to_ours(place.rule, lambda name: read(prefix + name))
-    return np.stack([read(prefix + place.rule.theirs.format(e=e)).T for e in range(cfg.num_experts)])
-
-
 def _names(place: Placement, prefix: str, cfg) -> list[str]:
     rule = place.rule
     if rule.kind == "experts":
@@ -136,7 +118,7 @@ def _names(place: Placement, prefix: str, cfg) -> list[str]:
     return [prefix + rule.theirs]
 
 
-def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> set[str]:
+def _mtp_copies(cfg, ckpt: Checkpoint) -> set[str]:
     """The release's MTP layers carry copies of the embedding and head: checked equal to the main ones."""
     copies = set()
     for depth in range(1, cfg.mtp_num_layers + 1):
@@ -144,7 +126,7 @@ def _mtp_copies(cfg, ckpt: Checkpoint, read: Reader) -> set[str]:
         for copy, main in ((f"{p}.embed_tokens.weight", "model.embed_tokens.weight"),
                            (f"{p}.shared_head.head.weight", "lm_head.weight")):
             if copy in ckpt and main in ckpt:
-                if ckpt.shape(copy) != ckpt.shape(main) or not np.array_equal(read(copy), read(main)):
+                if ckpt.shape(copy) != ckpt.shape(main) or not np.array_equal(ckpt.weight(copy), ckpt.weight(main)):
                     raise ConfigError(f"tensor {copy} differs from {main}; this trainer's MTP shares the main model's")
                 copies.add(copy)
     return copies
@@ -171,16 +153,15 @@ def plan_leaves(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> list[Leaf
             raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has no rule here")
         want = tuple(leaf.shape[1:]) if place.stacked else tuple(leaf.shape)
         for prefix in place.prefixes:
-            got = _shape(place.rule, prefix, ckpt, cfg)
+            got = _shape(place, prefix, ckpt, cfg)
             if got != want:
                 raise ConfigError(f"tensor {_names(place, prefix, cfg)[0]} gives {jax.tree_util.keystr(path)} "
-                                  "the shape "
-                                  f"{list(got)} but this config needs {list(want)}; check the model keys against "
-                                  "config.json")
+                                  f"the shape {list(got)} but this config needs {list(want)}; check the model keys "
+                                  "against config.json")
             for name in _names(place, prefix, cfg):
                 used.update((name, name + "_scale_inv"))
         leaves.append(Leaf(key, place, tuple(leaf.shape), np.dtype(leaf.dtype)))
-    used |= _mtp_copies(cfg, ckpt, Reader(ckpt))
+    used |= _mtp_copies(cfg, ckpt)
     unused = [n for n in ckpt.names() if n not in used and not n.endswith(IGNORED_SUFFIXES)]
     if cfg.mtp_num_layers == 0:
         mtp_prefix = f"model.layers.{cfg.base_num_decoder_layers}."
@@ -216,7 +197,6 @@ def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> Non
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
         checkpointer.save(item_dir, args=ocp.args.PyTreeSave(stand_ins))
     del stand_ins
-    read = Reader(ckpt)
     chunks = {}
     for leaf in leaves:
         name = ".".join(leaf.key)
@@ -233,9 +213,10 @@ def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> Non
             layer = array[j] if leaf.place.stacked else array
             if experts:  # expert by expert: at most one expert's weight in memory
                 for e, expert in enumerate(_names(leaf.place, prefix, cfg)):
-                    layer[e].write(np.asarray(read(expert).T, leaf.dtype)).result()
+                    layer[e].write(np.asarray(ckpt.weight(expert).T, leaf.dtype)).result()
             else:
-                layer.write(np.asarray(_layer_array(leaf.place, prefix, read, cfg), leaf.dtype)).result()
+                part = to_ours(leaf.place.rule, lambda name: ckpt.weight(prefix + name))  # noqa: B023 - called here
+                layer.write(np.asarray(part, leaf.dtype)).result()
     meta_path = os.path.join(item_dir, "_METADATA")
     with open(meta_path) as f:
         meta = json.load(f)
