@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, AxisType
 from MaxText import sharding
 from MaxText.config import (REMAT_TENSOR_NAMES, ConfigError, cli_arguments, global_batch_size, layer_counts,
                             load_config)
+from MaxText.layers.attention_cudnn import max_segments
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity
 from MaxText.layers.moe.te_dropless import aligned_buffer_rows
@@ -161,12 +162,18 @@ def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
     named["out_proj"] = t * d * a
     other += t * out_width * a + t * d * a  # the context before the output projection, the block's norm
     # float32 scores and softmax, probabilities in the compute dtype: whole, the probabilities are kept for
-    # the backward; chunked, one chunk of them exists at a time and is recomputed there.
+    # the backward; chunked, one chunk of them exists at a time and is recomputed there. cudnn_flash holds no
+    # scores, but XLA reserves its chunked fallback's whether or not it runs (attention_cudnn.py).
     if cfg.attention == "dot_product":
         other += b * h * length * length * a
         working = b * h * length * length * 2 * 4
     else:
         working = b * h * min(cfg.attention_chunk_size, length) * length * (2 * 4 + a)
+    if cfg.attention == "cudnn_flash":
+        # the kernel's float32 softmax statistics [B * M, H, L]; MLA's V zero-padded to the q/k head dim
+        other += b * max_segments(length) * h * length * 4
+        if cfg.attention_type == "mla" and qk > v:
+            other += t * h * qk * a
     return LayerTensors(named, other, working)
 
 
@@ -177,13 +184,20 @@ def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
     return LayerTensors(named, t * f * a + t * d * a, 2 * t * f * a)  # silu(gate) * up, the norm
 
 
+def dispatch_rows(cfg, t: int, ep: int) -> int:
+    """Rows one device receives from the expert-parallel dispatch (ep.py): ep peers x per-peer capacity."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor, cfg.ep_dedup).rows
+
+
 def moe_rows(cfg, t: int, ep: int) -> int:
-    """Rows of one device's expert buffer: the static shapes each moe_impl allocates."""
+    """Rows of one device's expert buffer (the grouped GEMMs' input): the static shapes each moe_impl allocates."""
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     if cfg.moe_impl == "dense":  # [E, G, C] over all E experts: split over `expert`, the batch G is gathered
         s = cfg.max_target_length  # by as much, so a device holds E x (its G) x C rows whatever the EP size
         return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor)
-    rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor)
+    # Under EP: the slots the peers may send (NCCL EP's receive capacity alike), however many rows carry them.
+    rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor).slots
     return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
 
 
@@ -213,7 +227,7 @@ def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
     # the norm
     other = 3 * t * cfg.num_experts * 4 + 2 * t * k * d * a + r * f * a + t * d * a
     if ep > 1 and cfg.moe_impl != "dense":
-        named["moe_dispatch"] = r * d * a
+        named["moe_dispatch"] = dispatch_rows(cfg, t, ep) * d * a
     else:
         other += r * d * a
     if cfg.moe_impl == "dense":  # float32 one-hot dispatch and combine tensors [T, E, C]

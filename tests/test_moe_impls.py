@@ -24,6 +24,7 @@ MESHES = {
     "fsdp2_expert4": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"],
     "expert8": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8"],
     "fsdp2_expert2_tensor2": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"],
+    "fsdp2_expert4_one_row_per_choice": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "ep_dedup=false"],
 }
 
 
@@ -35,8 +36,11 @@ def _routing_cases():
     popularity = 1.0 / np.arange(1, 6)
     skewed = np.stack([rng.choice(5, K, replace=False, p=popularity / popularity.sum()) for _ in range(T)])
     one = np.tile(np.array([3, 6])[:K], (T, 1))  # every token's first choice is expert 3
+    # Every token's K experts on one device of expert 2 and 4 (one row each under ep_dedup), two of expert 8.
+    one_device = np.tile(np.array([7, 6])[:K], (T, 1))
     cases = {}
-    for name, experts in (("uniform", uniform), ("skewed_empty_experts", skewed), ("all_to_one", one)):
+    for name, experts in (("uniform", uniform), ("skewed_empty_experts", skewed), ("all_to_one", one),
+                          ("one_device", one_device)):
         weights = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
         cases[name] = (experts.astype(np.int32), weights)
     return cases
@@ -117,21 +121,31 @@ def test_impl_matches_reference_on_mesh(impl, mesh_name, references):
         assert float(stats.get("dropped_fraction", 0.0)) == 0.0, f"{case}: uncapped run dropped tokens"
 
 
-def _kept_with_peer_capacity(experts_TK, num_devices, cap, num_peers=None):
-    """Which slots fit when every device sends at most `cap` slots to each expert device (E/N experts
-    each), serving its slots in order of (destination device, token, choice): the ep.py contract, as loops."""
+def _kept_with_peer_capacity(experts_TK, num_devices, cap, num_peers=None, dedup=True):
+    """Which slots fit when every device sends each expert device (E/N experts each) at most `cap` slots, in
+    rows served in order of (destination device, token, choice) until the first that does not fit: the ep.py
+    contract, as loops. With dedup a row is a token's choices on one device (all kept or none), and a peer
+    takes at most one row per token; without, a row is one choice."""
     t_local = T // num_devices
     e_local = E // (num_peers or num_devices)  # experts per device of the `expert` axis
     num_peers = num_peers or num_devices
+    row_cap = min(t_local, cap) if dedup else cap
     kept = np.zeros(experts_TK.shape, bool)
     for d in range(num_devices):
-        sent = [0] * num_peers
-        slots = [(experts_TK[t, k], t, k) for t in range(d * t_local, (d + 1) * t_local) for k in range(K)]
-        for expert, t, k in sorted(slots, key=lambda slot: (slot[0] // e_local, slot[1], slot[2])):
-            peer = expert // e_local
-            if sent[peer] < cap:
-                sent[peer] += 1
-                kept[t, k] = True
+        rows = {}  # (peer, token[, choice]) -> the choices it carries
+        for t in range(d * t_local, (d + 1) * t_local):
+            for k in range(K):
+                peer = experts_TK[t, k] // e_local
+                rows.setdefault((peer, t) if dedup else (peer, t, k), []).append((t, k))
+        sent_rows, sent_slots, full = [0] * num_peers, [0] * num_peers, [False] * num_peers
+        for row in sorted(rows):
+            peer, slots = row[0], rows[row]
+            full[peer] |= sent_rows[peer] == row_cap or sent_slots[peer] + len(slots) > cap
+            if not full[peer]:
+                sent_rows[peer] += 1
+                sent_slots[peer] += len(slots)
+                for t, k in slots:
+                    kept[t, k] = True
     return kept
 
 
@@ -157,22 +171,25 @@ def test_small_ragged_buffer_counts_overflow_and_drops_only_it(factor, impl):
 
 
 @pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
-def test_overflow_spares_no_expert_for_its_id(impl):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_overflow_spares_no_expert_for_its_id(impl, dedup):
     """Two experts on one peer (fsdp 2 x expert 4: 2 local experts each), every token choosing both, a receive
     buffer of half the demand: the overflow falls on each device's last tokens, so both experts keep the same
-    share. Served in expert-id order, as ep.py used to, expert 1 lost every slot, step after step."""
+    share. Served in expert-id order, as ep.py used to, expert 1 lost every slot, step after step. With ep_dedup
+    a token's two choices travel as one row, kept or cut together; the same quarter of the slots fits."""
     cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}",
                       f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
-                      "ragged_buffer_factor=1.0", *MESHES["fsdp2_expert4"])
+                      "ragged_buffer_factor=1.0", f"ep_dedup={str(dedup).lower()}", *MESHES["fsdp2_expert4"])
     mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
     x, w = _params()
     rng = np.random.default_rng(5)
     experts = np.stack([rng.permutation(2) for _ in range(T)]).astype(np.int32)  # experts 0 and 1, either order
     weights = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
     cap = int(np.ceil((T // 8) * K / 4))
-    kept = _kept_with_peer_capacity(experts, 8, cap, num_peers=4)
+    kept = _kept_with_peer_capacity(experts, 8, cap, num_peers=4, dedup=dedup)
     kept_per_expert = [int(kept[experts == e].sum()) for e in (0, 1)]
     assert kept_per_expert[0] == kept_per_expert[1] > 0 and not kept.all(), kept_per_expert
+    assert kept.sum() == kept.size // 4, kept.sum()
     (_, (y, stats)), _ = _run(_loss_and_outputs(impl, cfg, rules), mesh, rules, x, w, experts, weights)
     y_ref = moe_reference(x, weights, experts, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD, kept_TK=kept)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}: output")
@@ -254,3 +271,59 @@ def test_impls_accumulate_alike_in_bfloat16():
     for impl in ("ragged", "te_dropless"):
         np.testing.assert_allclose(outputs["dense"], outputs[impl], rtol=0 if exact else 2 ** -7, atol=0,
                                    err_msg=f"dense vs {impl}")
+
+
+@pytest.mark.parametrize("num_experts,top_k,num_peers", [(16, 8, 4), (64, 8, 8), (8, 2, 8), (16, 4, 2), (8, 8, 2)])
+def test_rank_rows_group_each_tokens_choices_by_device(num_experts, top_k, num_peers):
+    """ep.rank_rows against loops: per token, its distinct devices in increasing order, each row carrying the
+    (local expert, weight) of the choices there in choice order, empty slots (E/N, 0); unused rows go nowhere."""
+    from MaxText.layers.moe import ep
+
+    rng = np.random.default_rng(num_experts + top_k + num_peers)
+    t, local = 64, num_experts // num_peers
+    experts = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(t)]).astype(np.int32)
+    experts[0] = np.arange(top_k)  # the first devices' experts only: as few rows as possible
+    weights = rng.uniform(0.1, 1.0, (t, top_k)).astype(np.float32)
+    got = jax.jit(ep.rank_rows, static_argnums=(2, 3, 4))(experts, weights, local, num_peers, True)
+    p, j = min(top_k, num_peers), min(top_k, local)
+    assert got.local_TPJ.shape == (t, p, j) and got.weights_TPJ.shape == (t, p, j)
+    for i in range(t):
+        devices = sorted(set(experts[i] // local))
+        want_dest = devices + [num_peers] * (p - len(devices))
+        np.testing.assert_array_equal(got.dest_TP[i], want_dest, err_msg=f"token {i}")
+        for row, device in enumerate(devices):
+            there = [k for k in range(top_k) if experts[i, k] // local == device]
+            want_local = [experts[i, k] % local for k in there] + [local] * (j - len(there))
+            want_weights = [weights[i, k] for k in there] + [0.0] * (j - len(there))
+            np.testing.assert_array_equal(got.local_TPJ[i, row], want_local, err_msg=f"token {i} row {row}")
+            np.testing.assert_array_equal(got.weights_TPJ[i, row], want_weights, err_msg=f"token {i} row {row}")
+        assert (np.asarray(got.local_TPJ[i, len(devices):]) == local).all()
+    per_choice = ep.rank_rows(experts, weights, local, num_peers, False)
+    np.testing.assert_array_equal(per_choice.dest_TP, experts // local)
+    np.testing.assert_array_equal(per_choice.local_TPJ[..., 0], experts % local)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
+def test_dedup_with_more_choices_than_devices(impl):
+    """K = 4 choices over 2 expert devices (P = 2 rows of up to J = 4 slots per token), fsdp 4 x expert 2:
+    output and gradients match the float32 loop reference, nothing overflows, including every token on one
+    device with all four of its choices."""
+    k, e = 4, 8
+    cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={e}",
+                      f"num_experts_per_tok={k}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
+                      "ici_fsdp_parallelism=4", "ici_expert_parallelism=2")
+    mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
+    x, w = _params()
+    rng = np.random.default_rng(7)
+    step = _loss_and_outputs(impl, cfg, rules)
+    for name, experts in (("uniform", np.stack([rng.permutation(e)[:k] for _ in range(T)])),
+                          ("one_device", np.tile(np.array([5, 4, 7, 6]), (T, 1)))):
+        experts = experts.astype(np.int32)
+        weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+        (_, (y, stats)), grads = _run(step, mesh, rules, x, w, experts, weights)
+        y_ref, grads_ref = _reference(x, w, experts, weights)
+        np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, {name}: output")
+        for label, got, want in (("x", grads[0], grads_ref[0]), ("weights", grads[2], grads_ref[2]),
+                                 *((f, getattr(grads[1], f), getattr(grads_ref[1], f)) for f in ExpertWeights._fields)):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, {name}: d/d{label}")
+        assert float(stats["overflow"]) == 0.0

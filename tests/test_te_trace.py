@@ -328,7 +328,7 @@ def test_check_vma_off_leaves_reference_gradients_unchanged():
     kw = dict(kernels=te_kernels.REFERENCE, quantization="none")
     local = lambda *a: te_dropless.local_moe(*a, **kw)  # noqa: E731
     parallel = lambda *a: te_dropless.expert_parallel_moe(*a, num_experts=e, axis_name="expert",  # noqa: E731
-                                                          buffer_factor=None, **kw)
+                                                          buffer_factor=None, dedup=True, **kw)
     for mesh_keys in (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], ["ici_fsdp_parallelism=8"]):
         mesh = sharding.create_mesh(tiny_config("num_experts=8", *mesh_keys))
         grads = []

@@ -2,8 +2,8 @@
 
 Per device: sort the token-slots by expert, run the three expert matmuls as grouped GEMMs over the
 contiguous expert groups, unsort, and sum each token's K outputs weighted by the router. With expert
-parallelism (mesh axis `expert` > 1) the sorted slots first travel to the device that holds their
-expert and come back after the GEMMs (dispatch / combine, see ep.py). Nothing is dropped unless a
+parallelism (mesh axis `expert` > 1) each token first travels to the devices that hold its experts, once per
+device, and its weighted expert outputs come back after the GEMMs (dispatch / combine, see ep.py). Nothing is dropped unless a
 ragged_buffer_factor smaller than the worst case is set, and then every dropped slot is counted.
 """
 
@@ -40,15 +40,22 @@ def expert_ffn(x_RD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD, gemm=grouped_mat
     return checkpoint_name(gemm(h, wo_EFD.astype(dt), group_sizes_E), "moe_mlpwo")
 
 
-def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input: int = 1):
+def sorted_ffn(x_ND, experts_S, num_experts: int, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input: int = 1,
+               max_slots: int | None = None):
     """expert_ffn for slots in any order: sort by expert, grouped GEMMs, unsort. Slot s reads input row
-    s // rows_per_input, so K slots of a token share its row without a repeated copy of x."""
+    s // rows_per_input, so K slots of a token share its row without a repeated copy of x. `max_slots`
+    (static; at least the slots with an expert id < num_experts) bounds the GEMMs' rows: the empty slots
+    sort last, and those past it are left out (their output is 0 either way)."""
+    s = experts_S.shape[0]
     with jax.named_scope("moe_dispatch"):
         order_S, group_sizes_E = sort_by_expert(experts_S, num_experts)
-        x_RD = x_ND[order_S // rows_per_input]
-    out_SD = expert_ffn(x_RD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
+        order_M = order_S[:max_slots]
+        x_MD = x_ND[order_M // rows_per_input]
+    out_MD = expert_ffn(x_MD, group_sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD)
     with jax.named_scope("moe_combine"):
-        return out_SD[jnp.argsort(order_S)]
+        if order_M.shape[0] == s:
+            return out_MD[jnp.argsort(order_S)]
+        return jnp.zeros((s,) + out_MD.shape[1:], out_MD.dtype).at[order_M].set(out_MD)
 
 
 @jax.named_scope("moe_combine")
@@ -68,22 +75,21 @@ def local_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD):
 
 
 def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0_EDF, wi_1_EDF, wo_EFD, *, num_experts, axis_name,
-                        buffer_factor):
-    """The dropless MoE with this device's E/N experts: dispatch slots to their experts' devices, grouped
-    GEMMs there, combine back. Returns (y_TD, overflowed slots on this device)."""
-    k = experts_TK.shape[1]
+                        buffer_factor, dedup):
+    """The dropless MoE with this device's E/N experts (ep.expert_parallel_moe around sorted_ffn).
+    Returns (y_TD, overflowed slots on this device)."""
     num_local = wi_0_EDF.shape[0]
-    x_SD = jnp.repeat(x_TD, k, axis=0)
-    dispatch = ep.dispatch(x_SD, experts_TK.reshape(-1), num_experts=num_experts, num_local_experts=num_local,
-                           axis_name=axis_name, capacity=ep.peer_capacity(x_TD.shape[0], k, num_experts,
-                                                                             num_local, buffer_factor))
-    out_RD = sorted_ffn(dispatch.x_RD, dispatch.local_expert_R, num_local, wi_0_EDF, wi_1_EDF, wo_EFD)
-    out_SD = ep.combine(out_RD, dispatch, axis_name=axis_name)
-    return combine(out_SD, weights_TK), dispatch.overflow
+
+    def slot_ffn(x_RD, local_S, rows_per_input, max_slots):
+        return sorted_ffn(x_RD, local_S, num_local, wi_0_EDF, wi_1_EDF, wo_EFD, rows_per_input, max_slots)
+
+    return ep.expert_parallel_moe(x_TD, experts_TK, weights_TK, slot_ffn, num_experts=num_experts,
+                                  num_local_experts=num_local, axis_name=axis_name, buffer_factor=buffer_factor,
+                                  dedup=dedup)
 
 
 def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     """Dropless MoE over all tokens; inside a mesh, per device in shard_map (see MeshLayout)."""
     expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
-                                        buffer_factor=cfg.ragged_buffer_factor)
+                                        buffer_factor=cfg.ragged_buffer_factor, dedup=cfg.ep_dedup)
     return run_on_mesh(x_TD, routing, w, rules, local_moe, expert_parallel)

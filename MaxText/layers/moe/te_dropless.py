@@ -6,10 +6,10 @@ Stages (te_kernels.py holds both kernel sets):
              128-row boundary and its size is rounded up to 128 (zero rows), as TE's grouped GEMM and
              NCCL EP lay tokens out
   GEMMs      TE grouped_dense (bf16, FP8 current scaling or MXFP8) | gmm.grouped_matmul
-  EP         with expert parallelism, the rows travel to their experts' devices and back (ep.py), the
-             combine weights travel with them and multiply the expert outputs before the return trip
-             (NCCL EP's combine is an unweighted sum), and the receive buffer holds the dropless worst
-             case unless ragged_buffer_factor shrinks it (overflow counted, never silent).
+  EP         with expert parallelism, each token travels once to each device holding any of its experts
+             and back (ep.py, as NCCL EP does); the combine weights travel with it and weight the expert
+             outputs before the return trip (NCCL EP's combine is an unweighted sum), and the receive buffer
+             holds the dropless worst case unless ragged_buffer_factor shrinks it (overflow counted).
 On CPU (or with te_kernels=reference) every stage is the reference, so the whole orchestration is
 tested here; on an NVIDIA GPU scripts/ checks the TE kernels against these references.
 """
@@ -45,15 +45,17 @@ def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int
 
 
 @jax.named_scope("moe_dispatch")
-def aligned_permute(x_SD, experts_S, num_experts: int, align: int = ALIGN):
-    """Slots -> expert-major buffer with 128-row-aligned groups.
+def aligned_permute(x_ND, experts_S, num_experts: int, align: int = ALIGN, rows_per_input: int = 1,
+                    max_slots: int | None = None):
+    """Slots -> expert-major buffer with 128-row-aligned groups; slot s reads input row s // rows_per_input.
+    The buffer is sized for `max_slots` real slots (static; default: all of them).
 
     Returns (x_RD, group_sizes_E, rows_S): the buffer (padding rows 0), each group's size rounded up to
     `align` (TE's aligned counts), and the buffer row of every slot. Slots whose id is >= num_experts
-    (padding received in an EP buffer) get row R (out of range) and stay out of the buffer.
+    (empty slots of an EP buffer) get row R (out of range) and stay out of the buffer.
     """
     s = experts_S.shape[0]
-    rows = aligned_buffer_rows(s, num_experts, align)
+    rows = aligned_buffer_rows(s if max_slots is None else max_slots, num_experts, align)
     counts_E = jnp.sum(jax.nn.one_hot(experts_S, num_experts, dtype=jnp.int32), axis=0)
     sizes_E = (counts_E + align - 1) // align * align
     order_S = jnp.argsort(experts_S, stable=True)
@@ -63,6 +65,7 @@ def aligned_permute(x_SD, experts_S, num_experts: int, align: int = ALIGN):
     rank = jnp.arange(s) - (jnp.cumsum(counts_E) - counts_E)[e]  # position inside its expert group
     rows_sorted = jnp.where(real, (jnp.cumsum(sizes_E) - sizes_E)[e] + rank, rows)
     rows_S = jnp.zeros((s,), jnp.int32).at[order_S].set(rows_sorted.astype(jnp.int32))
+    x_SD = x_ND[jnp.arange(s) // rows_per_input] if rows_per_input > 1 else x_ND
     x_RD = jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype).at[rows_S].set(x_SD, mode="drop")
     return x_RD, sizes_E, rows_S
 
@@ -84,26 +87,26 @@ def grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0_EDF, wi_1_EDF, wo_EFD
 def local_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels, quantization):
     """All experts on this device: aligned permute, three grouped GEMMs, unpermute, weighted sum."""
     k = experts_TK.shape[1]
-    x_RD, sizes_E, rows_S = aligned_permute(jnp.repeat(x_TD, k, axis=0), experts_TK.reshape(-1), wi_0.shape[0])
+    x_RD, sizes_E, rows_S = aligned_permute(x_TD, experts_TK.reshape(-1), wi_0.shape[0], rows_per_input=k)
     out_RD = grouped_ffn(kernels, quantization, x_RD, sizes_E, wi_0, wi_1, wo)
     return combine(unpermute(out_RD, rows_S), weights_TK)
 
 
 def expert_parallel_moe(x_TD, experts_TK, weights_TK, wi_0, wi_1, wo, *, kernels, quantization, num_experts,
-                        axis_name, buffer_factor):
-    """This device's E/N experts: dispatch rows with their combine weights, aligned grouped GEMMs on the
-    receive buffer, pre-multiply by the weights, return, and sum each token's K rows (unweighted)."""
-    t, k = experts_TK.shape
+                        axis_name, buffer_factor, dedup):
+    """This device's E/N experts (ep.expert_parallel_moe): each received row expands into its slots, which
+    run through the aligned grouped GEMMs; each row returns its slots' outputs summed, router-weighted, as
+    NCCL EP's combine expects them."""
     num_local = wi_0.shape[0]
-    capacity = ep.peer_capacity(t, k, num_experts, num_local, buffer_factor)
-    d = ep.dispatch(jnp.repeat(x_TD, k, axis=0), experts_TK.reshape(-1), num_experts=num_experts,
-                    num_local_experts=num_local, axis_name=axis_name, capacity=capacity,
-                    payload_S=weights_TK.reshape(-1).astype(jnp.float32))
-    x_AD, sizes_E, rows_R = aligned_permute(d.x_RD, d.local_expert_R, num_local)
-    out_RD = unpermute(grouped_ffn(kernels, quantization, x_AD, sizes_E, wi_0, wi_1, wo), rows_R)
-    out_RD = (out_RD.astype(jnp.float32) * d.payload_R[:, None]).astype(out_RD.dtype)
-    out_SD = ep.combine(out_RD, d, axis_name=axis_name)
-    return jnp.sum(out_SD.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype), d.overflow
+
+    def slot_ffn(x_RD, local_S, rows_per_input, max_slots):
+        x_AD, sizes_E, rows_S = aligned_permute(x_RD, local_S, num_local, rows_per_input=rows_per_input,
+                                                max_slots=max_slots)
+        return unpermute(grouped_ffn(kernels, quantization, x_AD, sizes_E, wi_0, wi_1, wo), rows_S)
+
+    return ep.expert_parallel_moe(x_TD, experts_TK, weights_TK, slot_ffn, num_experts=num_experts,
+                                  num_local_experts=num_local, axis_name=axis_name, buffer_factor=buffer_factor,
+                                  dedup=dedup)
 
 
 def nccl_ep_moe(kernels, x_TD, routing: Routing, w, cfg, layout):
@@ -160,6 +163,6 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
         return y, {"overflow": overflow}
     kw = dict(kernels=kernels, quantization=cfg.te_gmm_quantization)
     expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
-                                        buffer_factor=cfg.ragged_buffer_factor, **kw)
+                                        buffer_factor=cfg.ragged_buffer_factor, dedup=cfg.ep_dedup, **kw)
     return run_on_mesh(x_TD, routing, w, rules, functools.partial(local_moe, **kw), expert_parallel,
                        check_vma=kernels.te is None)
