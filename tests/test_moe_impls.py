@@ -327,3 +327,43 @@ def test_dedup_with_more_choices_than_devices(impl):
                                  *((f, getattr(grads[1], f), getattr(grads_ref[1], f)) for f in ExpertWeights._fields)):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{impl}, {name}: d/d{label}")
         assert float(stats["overflow"]) == 0.0
+
+
+def _depends_on(jaxpr):
+    """deps[i]: the indices of the equations whose outputs equation i reads, directly or not (top level)."""
+    producer, deps = {}, []
+    for i, eqn in enumerate(jaxpr.eqns):
+        found = set()
+        for v in eqn.invars:
+            if not isinstance(v, jax.extend.core.Literal) and v in producer:
+                found |= deps[producer[v]] | {producer[v]}
+        deps.append(found)
+        producer.update((v, i) for v in eqn.outvars)
+    return deps
+
+
+@pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
+def test_shared_expert_is_independent_of_the_dispatch(impl):
+    """Under expert parallelism the shared expert's GEMMs and the routed path's shard_map (dispatch, grouped
+    GEMMs, combine) read only the layer's input: neither waits for the other, so the scheduler may overlap the
+    all-to-all with the shared expert. Proved on the block's jaxpr; only the final add joins them."""
+    from flax import nnx
+
+    from MaxText.layers.moe.block import MoeBlock
+
+    cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", "shared_experts=1", f"max_target_length={L}",
+                      f"num_experts={E}", f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
+                      *MESHES["fsdp2_expert4"])
+    mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
+    with jax.set_mesh(mesh):
+        block = MoeBlock(cfg, dtype=jnp.float32, weight_dtype=jnp.float32, rules=rules, rngs=nnx.Rngs(0))
+        jaxpr = jax.make_jaxpr(lambda x: block(x)[0])(jnp.zeros((B, L, D))).jaxpr
+    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+    routed = names.index("shard_map")
+    shared = [i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name == "name" and eqn.params["name"] == "mlpwo"]
+    assert names.count("shard_map") == 1 and len(shared) == 1, (names.count("shard_map"), shared)
+    deps = _depends_on(jaxpr)
+    assert routed not in deps[shared[0]], "the shared expert waits for the routed experts"
+    assert shared[0] not in deps[routed], "the dispatch waits for the shared expert"
+    joined = [i for i in range(len(deps)) if {routed, shared[0]} <= deps[i]]
+    assert joined and jaxpr.eqns[joined[0]].primitive.name == "add", [names[i] for i in joined[:3]]

@@ -56,6 +56,9 @@ class MoeBlock(nnx.Module):
         overflow (real token-slots that got no expert output) and dropped_fraction (overflow / real slots).
         Tokens with segment id 0 are padding: routed, but no load (see router.route)."""
         b, l, d = x_BLD.shape
+        # DeepSeek's shared experts: every token, no routing. Nothing here depends on the routed path nor it on
+        # this, so XLA's scheduler is free to run these GEMMs while the dispatch's all-to-all is in flight.
+        shared_BLD = self.shared_experts(x_BLD) if self.cfg.shared_experts else None
         x_TD = x_BLD.reshape(b * l, d)
         bias = self.bias[...] if self.cfg.routed_bias else None
         valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
@@ -64,8 +67,8 @@ class MoeBlock(nnx.Module):
         y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
                           self.rules)
-        if self.cfg.shared_experts:  # DeepSeek's shared experts: every token, no routing
-            y_BLD = y_BLD + self.shared_experts(x_BLD)
+        if shared_BLD is not None:
+            y_BLD = y_BLD + shared_BLD
         stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
                  "entropy": routing.entropy,
                  "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
