@@ -414,7 +414,7 @@ def check_positive(cfg) -> None:
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
                 "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
-                "eval_steps", "profiler_steps", "checkpoint_timeout_s"):
+                "eval_steps", "profiler_steps", "checkpoint_timeout_s", "num_moe_token_chunks"):
         minus_one_ok = key == "eval_steps" or (key == "base_moe_mlp_dim" and cfg.num_experts == 1)  # MaxText's -1
         if cfg[key] is not None and cfg[key] < 1 and not (minus_one_ok and cfg[key] == -1):
             raise ConfigError(f"{key}={cfg[key]} must be at least 1" + (" (or -1: the whole eval split)"

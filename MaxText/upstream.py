@@ -143,7 +143,7 @@ GROUPS: tuple[Group, ...] = (
        "input_data_sharding_logical_axes context_sharding ulysses_context_sharding logical_axis_rules_for_eval "
        "shard_optimizer_over_data dense_fsdp_use_two_stage_all_gather moe_fsdp_use_two_stage_all_gather "
        "shard_exp_on_fsdp shard_embed_moe_on_fsdp use_2d_fsdp_sharding defer_small_all_reduces vocab_tiling_ag_once "
-       "use_ring_of_experts moe_topk_before_ep_all_gather moe_dispatch_no_expert_sharding num_moe_token_chunks "
+       "use_ring_of_experts moe_topk_before_ep_all_gather moe_dispatch_no_expert_sharding "
        "moe_chunk_barrier num_moe_emb_chunks use_sequential_layers"),
     _g(REFUSED, "a training method this trainer does not have (SFT, DPO, distillation, LoRA, DiLoCo, Muon, "
                 "gradient accumulation, batch ramp-up, elastic training, spike skipping, dropless fallbacks)",

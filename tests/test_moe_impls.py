@@ -25,7 +25,9 @@ MESHES = {
     "expert8": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8"],
     "fsdp2_expert2_tensor2": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"],
     "fsdp2_expert4_one_row_per_choice": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "ep_dedup=false"],
+    "expert8_three_token_chunks": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "num_moe_token_chunks=3"],
 }
+EP_ONLY = ("fsdp2_expert4_one_row_per_choice", "expert8_three_token_chunks")  # keys dense does not read
 
 
 def _routing_cases():
@@ -98,6 +100,8 @@ def references():
 @pytest.mark.parametrize("impl", ["dense", "ragged", "te_dropless"])
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_impl_matches_reference_on_mesh(impl, mesh_name, references):
+    if impl == "dense" and mesh_name in EP_ONLY:
+        pytest.skip("a dropless expert-parallel variant")
     overrides = MESHES[mesh_name] or []
     cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}", f"num_experts_per_tok={K}",
                       f"base_emb_dim={D}", f"base_moe_mlp_dim={F}", *overrides)
@@ -367,3 +371,36 @@ def test_shared_expert_is_independent_of_the_dispatch(impl):
     assert shared[0] not in deps[routed], "the dispatch waits for the shared expert"
     joined = [i for i in range(len(deps)) if {routed, shared[0]} <= deps[i]]
     assert joined and jaxpr.eqns[joined[0]].primitive.name == "add", [names[i] for i in joined[:3]]
+
+
+def _exchanges_independent_of_first_gemm(cfg, rules):
+    """In the routed path's per-device body (the shard_map's jaxpr): how many all-to-alls do not depend on
+    the first grouped GEMM's output (the first moe_mlpwo), how many grouped GEMMs and all-to-alls there are."""
+    routing = Routing(jnp.ones((T, K)), jnp.zeros((T, K), jnp.int32), jnp.zeros(()), jnp.zeros(()),
+                      jnp.zeros((E,)), jnp.zeros(()))
+    x, w = _params()
+    jaxpr = jax.make_jaxpr(lambda x, w: MOE_FFNS[cfg.moe_impl](x, routing, w, cfg, rules)[0])(x, w).jaxpr
+    body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    gemms = [i for i, e in enumerate(body.eqns) if e.primitive.name == "name" and e.params["name"] == "moe_mlpwo"]
+    deps = _depends_on(body)
+    exchanges = [i for i, e in enumerate(body.eqns) if e.primitive.name in ("all_to_all", "ragged_all_to_all")]
+    return sum(gemms[0] not in deps[i] for i in exchanges), len(gemms), len(exchanges)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
+def test_token_chunks_exchange_without_waiting_for_each_others_gemms(impl):
+    """num_moe_token_chunks=2: no exchange of the second chunk waits for the first chunk's grouped GEMMs (the
+    all-to-alls free of the first GEMM are the first chunk's own free ones plus all of the second's), so on a
+    GPU the scheduler can overlap one chunk's exchange with the other's compute. (The results match the
+    reference: expert8_three_token_chunks in test_impl_matches_reference_on_mesh.)"""
+    base = [f"moe_impl={impl}", "te_kernels=reference", f"max_target_length={L}", f"num_experts={E}",
+            f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}", *MESHES["fsdp2_expert4"]]
+    counts = {}
+    for chunks in (1, 2):
+        cfg = tiny_config(*base, f"num_moe_token_chunks={chunks}")
+        with jax.set_mesh(sharding.create_mesh(cfg)):
+            counts[chunks] = _exchanges_independent_of_first_gemm(cfg, sharding.axis_rules(cfg))
+    (free_1, gemms_1, exchanges_1), (free_2, gemms_2, exchanges_2) = counts[1], counts[2]
+    assert gemms_1 == 1 and gemms_2 == 2 and exchanges_2 == 2 * exchanges_1, counts
+    assert 0 < free_1 < exchanges_1 and free_2 == free_1 + exchanges_1, counts

@@ -99,19 +99,25 @@ def mesh_layout(rules) -> MeshLayout | None:
                       _axes(logical_to_spec(("exp", "embed", "mlp"), rules)[1]))  # how the weights' D is split
 
 
-def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel, check_vma: bool = True):
+def run_on_mesh(x_TD, routing: Routing, w, rules, local, expert_parallel, check_vma: bool = True, chunks: int = 1):
     """Runs a dropless MoE where it belongs: `local(x, experts, weights, wi_0, wi_1, wo) -> y` outside a mesh
     or without expert parallelism, `expert_parallel(same) -> (y, overflow)` with it, per device in
-    shard_map (see MeshLayout). Returns (y_TD, {"overflow": slots that did not fit})."""
+    shard_map (see MeshLayout). With `chunks` > 1 (num_moe_token_chunks) expert_parallel runs on that many
+    consecutive slices of the device's tokens, each with its own exchanges: a slice's all-to-all does not wait
+    for another's GEMMs, so the scheduler may overlap them; the result is the same. Returns (y_TD,
+    {"overflow": slots that did not fit})."""
     layout = mesh_layout(rules)
     if layout is None:
         y = local(x_TD, routing.experts_TK, routing.weights_TK, w.wi_0_EDF, w.wi_1_EDF, w.wo_EFD)
         return y, {"overflow": jnp.zeros((), jnp.float32)}
 
-    def per_device(*args):
-        if layout.num_ep > 1:
-            return expert_parallel(*args)
-        return local(*args), jnp.zeros((), jnp.int32)
+    def per_device(x, experts, weights, *w_):
+        if layout.num_ep == 1:
+            return local(x, experts, weights, *w_), jnp.zeros((), jnp.int32)
+        t = x.shape[0]
+        bounds = sorted({t * i // chunks for i in range(chunks + 1)})  # static; fewer slices than chunks if t < chunks
+        parts = [expert_parallel(x[a:b], experts[a:b], weights[a:b], *w_) for a, b in zip(bounds, bounds[1:])]
+        return jnp.concatenate([y for y, _ in parts]), sum(o for _, o in parts)
 
     y, overflow = layout.run(per_device, x_TD, routing, w, check_vma)
     return y, {"overflow": overflow}

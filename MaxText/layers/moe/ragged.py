@@ -92,4 +92,4 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     """Dropless MoE over all tokens; inside a mesh, per device in shard_map (see MeshLayout)."""
     expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
                                         buffer_factor=cfg.ragged_buffer_factor, dedup=cfg.ep_dedup)
-    return run_on_mesh(x_TD, routing, w, rules, local_moe, expert_parallel)
+    return run_on_mesh(x_TD, routing, w, rules, local_moe, expert_parallel, chunks=cfg.num_moe_token_chunks)

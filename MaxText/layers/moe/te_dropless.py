@@ -165,4 +165,4 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None):
     expert_parallel = functools.partial(expert_parallel_moe, num_experts=cfg.num_experts, axis_name="expert",
                                         buffer_factor=cfg.ragged_buffer_factor, dedup=cfg.ep_dedup, **kw)
     return run_on_mesh(x_TD, routing, w, rules, functools.partial(local_moe, **kw), expert_parallel,
-                       check_vma=kernels.te is None)
+                       check_vma=kernels.te is None, chunks=cfg.num_moe_token_chunks)

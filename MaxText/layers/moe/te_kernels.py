@@ -206,7 +206,8 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
 
     TE's MeshResource names one data-parallel axis outside `expert` (ep.py `_ep_outer_axis`: a second one
     makes ep_dispatch's leading dim wrong), NCCL EP wants num_experts % 4 == 0, and
-    get_moe_recv_capacity_per_rank raises for a receive capacity factor below 1."""
+    get_moe_recv_capacity_per_rank raises for a receive capacity factor below 1; its dispatch takes a layer's
+    tokens in one call (no num_moe_token_chunks)."""
     if not nccl_ep_used(cfg, mesh_shape):
         return
     outer = [a for a in ("data", "fsdp") if mesh_shape.get(a, 1) > 1]
@@ -221,6 +222,10 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
     if cfg.ragged_buffer_factor is not None and cfg.ragged_buffer_factor < 1.0:
         raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} is below 1, which NCCL EP's receive "
                           "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
+    if cfg.num_moe_token_chunks > 1:
+        raise ConfigError(f"num_moe_token_chunks={cfg.num_moe_token_chunks}: NCCL EP dispatches a layer's tokens in "
+                          "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1, "
+                          "or te_kernels=reference / moe_impl=ragged")
 
 
 def tokens_per_ep_rank(mesh_shape, tokens: int) -> int:
