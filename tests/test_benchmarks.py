@@ -10,17 +10,36 @@ from tests.tiny import TINY, args
 
 def test_train_step_benchmark_reports_each_impl(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    result = train_step.main(["configs/base.yml", *TINY, "ici_expert_parallelism=4", "--impls", "dense,ragged",
-                              "--steps", "1", "--warmup", "0", "--json", str(out)])
-    assert [r["impl"] for r in result["rows"]] == ["dense", "ragged"]
+    result = train_step.main(["configs/base.yml", *TINY, "ici_expert_parallelism=4", "--impls",
+                              "dense,ragged:ep_dedup=false,ragged", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    assert [r["impl"] for r in result["rows"]] == ["dense", "ragged:ep_dedup=false", "ragged"]
     for r in result["rows"]:
         assert r["step_s"] > 0 and r["compile_s"] > 0 and r["tokens_per_s_per_device"] > 0, r
         assert r["mfu"] is None, "no known peak for a CPU"
-    # Uncapped dense and dropless ragged compute the same function: the same loss after the same steps.
-    np.testing.assert_allclose(result["rows"][0]["loss"], result["rows"][1]["loss"], rtol=1e-5)
+    # Uncapped dense and dropless ragged, either dispatch, compute the same function: the same loss.
+    for r in result["rows"][1:]:
+        np.testing.assert_allclose(r["loss"], result["rows"][0]["loss"], rtol=1e-5, err_msg=r["impl"])
     printed = capsys.readouterr().out.splitlines()
     assert printed[1].split()[:3] == ["moe_impl", "compile", "s"] and json.loads(printed[-1]) == json.loads(
         out.read_text())
+
+
+def test_moe_layer_ep_benchmark_compares_the_dispatches(capsys):
+    """--ep 8 with DeepSeek-style group-limited routing: one row per chosen expert sends K rows per token; one
+    row per device sends each token's distinct devices (at most the kept groups, here 4 of 8), and the receive
+    buffers and the compiled module's all-to-all bytes shrink with it."""
+    from MaxText.benchmarks import moe_layer
+
+    result = moe_layer.main(["--ep", "8", "--tokens", "256", "--dim", "16", "--hidden", "16", "--repeats", "1"])
+    per_choice, per_device = result["ep_rows"]
+    assert (per_choice["ep_dedup"], per_device["ep_dedup"]) == (False, True)
+    assert per_choice["rows_per_token"] == 8
+    assert 1 <= per_device["rows_per_token"] <= 4, per_device
+    ratio = per_device["rows_per_token"] / per_choice["rows_per_token"]
+    np.testing.assert_allclose(per_device["ragged_bytes_per_device"] / per_choice["ragged_bytes_per_device"], ratio)
+    assert per_device["receive_rows_per_device"] * 8 == per_choice["receive_rows_per_device"]
+    assert per_device["hlo_all_to_all_bytes_per_device"] < per_choice["hlo_all_to_all_bytes_per_device"] / 4
+    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["EP", "rows", "per"]
 
 
 def test_train_step_benchmark_config_error_is_one_line(capsys):

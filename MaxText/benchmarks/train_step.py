@@ -3,7 +3,9 @@
     python -m MaxText.benchmarks.train_step <config.yml> [key=value ...] [--impls dense,ragged,te_dropless]
                                             [--steps 10] [--warmup 2] [--json PATH]
 
-For each impl: the config with `moe_impl=<impl>`, its mesh over the visible devices, a freshly initialised
+An entry of --impls may carry its own overrides after colons: `ragged:ep_dedup=false,ragged` compares the
+expert-parallel dispatch one row per chosen expert with one row per device in the same run.
+For each entry: the config with `moe_impl=<impl>` (and the entry's overrides), its mesh over the visible devices, a freshly initialised
 state and one synthetic batch (the input pipeline is not what is measured). The step is compiled ahead of
 time (compile seconds and XLA's temporary-buffer bytes are reported), run `--warmup` times, then `--steps`
 times back to back; step time is the wall time of those steps / steps, after the last one has finished.
@@ -64,12 +66,12 @@ def measure(cfg, steps: int, warmup: int) -> dict:
 def format_table(result: dict) -> str:
     lines = [f"train step of {result['config']} on {result['devices']} x {result['device_kind']}, "
              f"{result['tokens_per_step']} tokens/step, {result['steps']} steps after {result['warmup']} warm-up",
-             f"{'moe_impl':<26}{'compile s':>10}{'step s':>10}{'tokens/s/dev':>14}{'TFLOP/s/dev':>13}{'MFU':>8}"
+             f"{'moe_impl':<32}{'compile s':>10}{'step s':>10}{'tokens/s/dev':>14}{'TFLOP/s/dev':>13}{'MFU':>8}"
              f"{'temp GiB':>10}{'loss':>9}"]
     for r in result["rows"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         temp = f"{r['temp_gib']:.3f}" if r["temp_gib"] is not None else "-"
-        lines.append(f"{r['impl']:<26}{r['compile_s']:>10.1f}{r['step_s']:>10.4f}"
+        lines.append(f"{r['impl']:<32}{r['compile_s']:>10.1f}{r['step_s']:>10.4f}"
                      f"{r['tokens_per_s_per_device']:>14.1f}{r['tflops_per_device']:>13.3f}{mfu:>8}{temp:>10}"
                      f"{r['loss']:>9.4f}")
     return "\n".join(lines)
@@ -87,13 +89,14 @@ def main(argv=None) -> dict | int:
     on_nvidia = jax.default_backend() == "gpu"
     rows = []
     try:
-        for impl in a.impls.split(","):
-            extra = [f"moe_impl={impl}"]
+        for entry in a.impls.split(","):
+            impl, *own = entry.split(":")
+            extra = [f"moe_impl={impl}", *own]
             if impl == "te_dropless" and not on_nvidia and not any(o.startswith("te_kernels=") for o in a.overrides):
                 extra.append("te_kernels=reference")  # TE's kernels need an NVIDIA GPU
             cfg = load_config([a.config, *a.overrides, *extra])
-            label = impl + (" (reference)" if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "reference"
-                            else "")
+            label = entry + (" (reference)" if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "reference"
+                             else "")
             rows.append({"impl": label, **measure(cfg, a.steps, a.warmup)})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
