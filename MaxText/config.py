@@ -88,7 +88,7 @@ ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")
 ATTENTION_TYPES = ("mha", "mla")
-ATTENTION_IMPLS = ("dot_product", "chunked")
+ATTENTION_IMPLS = ("dot_product", "chunked", "cudnn_flash")
 
 
 class ConfigError(ValueError):

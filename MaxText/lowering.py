@@ -7,11 +7,15 @@ simulated devices as the recipe's num_devices, Transformer Engine's real Python 
 the gpu_profile's compute capability (when the MoE runs TE kernels), nothing allocated. Three steps:
 
   1. trace the jitted train step on the state's and the batch's abstract values (shape and dtype errors);
-  2. lower it for CUDA: count TE's FFI custom calls, TE's partitioned ops (custom_partitioning) and the
-     host-offload annotations in the module the GPU would compile;
+     with attention=cudnn_flash, JAX's cuDNN queries answer as the gpu_profile's GPU would
+     (attention_cudnn.cuda_trace_profile), so the CUDA branch carries cuDNN's fused attention;
+  2. lower it for CUDA: count TE's FFI custom calls, TE's and cuDNN attention's partitioned ops
+     (custom_partitioning) and the host-offload annotations in the module the GPU would compile;
   3. lower for CPU (TE's lowerings registered there) and compile: XLA partitions the step over the mesh with
      TE's own sharding rules, then stops at the first TE kernel, for which CPU has no handler. Any sharding
-     or shape error of the partitioning surfaces before that stop; a step without TE compiles whole.
+     or shape error of the partitioning surfaces before that stop; a step without TE compiles whole. CPU
+     lowerings take attention=cudnn_flash's XLA path (lax.platform_dependent), so cuDNN's own partitioning
+     is not exercised here.
      XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
      such as CPU's widening of bf16 collectives to float32), and MaxText.collectives counts its collectives
      per device per step: kind, dtype, bytes, loop trips multiplied through.
@@ -20,6 +24,7 @@ the gpu_profile's compute capability (when the MoE runs TE kernels), nothing all
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -41,24 +46,28 @@ def lower_step(cfg, dump_dir: str | None = None) -> dict:
     from MaxText.config import global_batch_size
     from MaxText.data import abstract_batch
     from MaxText.hardware import GPU_PROFILES
+    from MaxText.layers import attention_cudnn
     from MaxText.layers.moe import te_kernels, te_trace
     from MaxText.state import state_spec
     from MaxText.train_step import jit_train_step
 
     uses_te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    sm = GPU_PROFILES[cfg.gpu_profile].sm if cfg.gpu_profile else 90
     if uses_te:
-        te_trace.install(GPU_PROFILES[cfg.gpu_profile].sm if cfg.gpu_profile else 90)
+        te_trace.install(sm)
     start = time.perf_counter()
     mesh = sharding.create_mesh(cfg)
     global_batch = global_batch_size(cfg, mesh.devices.size)
     spec = state_spec(cfg, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     batch = abstract_batch(global_batch, cfg.max_target_length, batch_sharding)
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+    cudnn = attention_cudnn.cuda_trace_profile(sm) if cfg.attention == "cudnn_flash" else contextlib.nullcontext()
+    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg), cudnn:
         if uses_te:
             te_trace.bootstrap_ep(cfg, mesh, global_batch)
         traced = jit_train_step(cfg, spec, batch_sharding).trace(spec.abstract, batch)
         cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        cudnn_ops = attention_cudnn.kernel_calls(traced.jaxpr)
         if uses_te:
             te_trace.register_cpu_lowerings()
         try:
@@ -80,7 +89,8 @@ def lower_step(cfg, dump_dir: str | None = None) -> dict:
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
         "collectives": collectives,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
-        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning"),
+        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
+        "cudnn_attention_ops": cudnn_ops,
         "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),
         "compile_stop": stop,
         "ok": stop.startswith("compiled whole") or FFI_STOP in stop,

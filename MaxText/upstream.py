@@ -239,18 +239,18 @@ REMAT_POLICIES = {
 # Values of keys both have, spelled as upstream spells them: (key, upstream value) -> (our value, note).
 VALUE_SPELLINGS = {
     ("attention_type", "global"): ("mha", "upstream's name of standard (grouped-query) attention"),
-    ("attention", "autoselected"): ("dot_product", "the best attention available here (XLA dot-product; no "
-                                                   "fused cuDNN kernel yet)"),
+    ("attention", "autoselected"): ("dot_product", "the attention that runs on every platform here (XLA "
+                                                   "dot-product; attention=cudnn_flash is cuDNN's fused kernel)"),
+    ("attention", "cudnn_flash_te"): ("cudnn_flash", "cuDNN's fused attention through Transformer Engine: the "
+                                                     "same cuDNN fused-attention kernel, called through JAX"),
+    ("attention", "cudnn_flash_jax"): ("cudnn_flash", "cuDNN's fused attention through JAX: the same kernel, "
+                                                      "through JAX's cuDNN binding"),
     ("te_gmm_quantization", ""): ("none", "upstream's empty value: no quantization"),
     ("routed_score_func", ""): ("softmax", "upstream's empty value: softmax scores"),
 }
 
 # Upstream values of keys both have that this trainer refuses: (key, value) -> reason.
 REFUSED_VALUES = {
-    ("attention", "cudnn_flash_te"): "fused cuDNN attention through Transformer Engine is not in this trainer yet; "
-                                     "use attention=dot_product (or chunked to save memory)",
-    ("attention", "cudnn_flash_jax"): "fused cuDNN attention is not in this trainer yet; use attention=dot_product "
-                                      "(or chunked to save memory)",
     ("attention", "flash"): "a TPU (Pallas splash) kernel; use attention=dot_product or chunked",
     ("attention", "paged"): "paged attention is for inference; use attention=dot_product or chunked",
     ("attention", "vllm_rpa"): "vLLM attention is for inference; use attention=dot_product or chunked",

@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # The GPU validation kit in one command (see MaxText/benchmarks/gpu_check.py):
 #
-#   bash scripts/gpu_check.sh [--ep N] [--json gpu_check.json] [--parts kernels,ep,impls_agree,grouped_gemm,moe_layer]
+#   bash scripts/gpu_check.sh [--ep N] [--json gpu_check.json] [--parts kernels,ep,impls_agree,grouped_gemm,moe_layer,attention]
 #
 # On one NVIDIA GPU, in this order, each part in isolation (a part that raises is recorded and the next runs):
 #   kernels       the `gpu` tests of tests/test_te_dropless.py: TE's fused router, TE's grouped GEMM forward and
 #                 backward (bf16, fp32, FP8 current scaling on SM 9.x+, MXFP8 on SM 10.x) with a padded tail, and
-#                 TE's token permutation, against pure-JAX / float64 references
+#                 TE's token permutation, against pure-JAX / float64 references; and of tests/test_attention_cudnn.py:
+#                 attention=cudnn_flash (cuDNN's fused attention) against dot_product, bf16, GQA and MLA
 #   ep            with --ep N only: te_dropless with NCCL EP on N >= 2 GPUs of this machine, one process each
 #                 (scripts/launch.sh --local N running MaxText.benchmarks.ep_check), forward and gradients against
 #                 te_kernels=reference and the float32 per-expert loop; its table goes to <json>.ep.json
 #   impls_agree   a tiny DeepSeek-style model trained a few steps with te_dropless and with ragged: same losses
 #   grouped_gemm  TFLOP/s of TE's grouped GEMM and ragged_dot at DeepSeek-V3 expert shapes (timing only)
 #   moe_layer     MoE layer forward+backward TFLOP/s per moe_impl (timing only)
+#   attention     forward+backward time per `attention` impl at DeepSeek-V3's MLA layer shape (timing only)
 # It prints one table, writes the JSON (gpu_check.json) and exits 1 if a correctness part (kernels, ep,
 # impls_agree) failed or any part raised.
 #
 # Inside the container (docker/) everything is installed. Elsewhere it uses the Python that has a CUDA jax
 # (PYTHON=..., else python3) and installs only what is missing there: this project's pure-Python pins
 # (requirements.txt without jax/jaxlib), never a jax or Transformer Engine over the existing ones. Without
-# Transformer Engine the TE checks (kernels, ep) are reported as skipped (with the reason) and te_dropless runs
+# Transformer Engine the TE checks (TE's kernel tests, ep) are reported as skipped (with the reason) and te_dropless runs
 # its reference kernels; pip install "transformer-engine[jax]>=2.20" (or use the container) to check them too.
 # Budget: under 8 minutes on one H100/H200, install included; --ep adds N processes' start-up and three
 # compiles each (not yet measured; the part is stopped after 8 minutes).

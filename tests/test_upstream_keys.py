@@ -111,6 +111,8 @@ def test_a_key_neither_has_is_unknown():
 
 @pytest.mark.parametrize("argv,key,want", [
     (["attention=autoselected"], "attention", "dot_product"),
+    (["attention=cudnn_flash_te"], "attention", "cudnn_flash"),
+    (["attention=cudnn_flash_jax"], "attention", "cudnn_flash"),
     (["attention_type=global"], "attention_type", "mha"),
     (["te_gmm_quantization="], "te_gmm_quantization", "none"),
     (["routed_score_func="], "routed_score_func", "softmax"),
@@ -126,7 +128,7 @@ def test_upstream_values_mean_what_they_mean_upstream(argv, key, want):
 
 
 @pytest.mark.parametrize("argv,phrase", [
-    (["attention=cudnn_flash_te"], "fused cuDNN attention through Transformer Engine is not in this trainer yet"),
+    (["attention=flash"], "a TPU (Pallas splash) kernel; use attention=dot_product or chunked"),
     (["profiler=nsys"], "NVTX ranges and cudaProfilerStart/Stop are not emitted yet"),
     (["hardware=tpu"], "this trainer targets NVIDIA GPUs"),
     (["dataset_type=grain"], "Grain is not a pipeline here yet"),

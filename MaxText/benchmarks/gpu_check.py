@@ -4,13 +4,15 @@
 
 Parts, in the order they run (each in isolation: an exception or a failure is recorded with its first line,
 and the next part runs):
-1. kernels (correctness): the `gpu`-marked tests of tests/test_te_dropless.py through pytest, in a subprocess.
-   TE's own fused router (its probabilities and routing map) and te_dropless's top-k call site against
-   router.select_experts (fp32, 1e-5); TE's grouped GEMM through te_dropless's call site, forward and
-   backward with a random cotangent and a zero-padded tail, against a float64 per-group loop: bf16 at TE's
-   tolerance, fp32 at a TF32-aware one, FP8 current scaling (SM 9.x on) and MXFP8 (SM 10.x only, else
-   skipped with the reason) at quantisation tolerances; the reference grouped GEMM on the GPU; TE's token
-   permutation (needs triton) against aligned_permute. Skipped with the reason where TE cannot be imported.
+1. kernels (correctness): the `gpu`-marked tests of tests/test_te_dropless.py and tests/test_attention_cudnn.py
+   through pytest, in a subprocess. TE's own fused router (its probabilities and routing map) and
+   te_dropless's top-k call site against router.select_experts (fp32, 1e-5); TE's grouped GEMM through
+   te_dropless's call site, forward and backward with a random cotangent and a zero-padded tail, against a
+   float64 per-group loop: bf16 at TE's tolerance, fp32 at a TF32-aware one, FP8 current scaling (SM 9.x on)
+   and MXFP8 (SM 10.x only, else skipped with the reason) at quantisation tolerances; the reference grouped
+   GEMM on the GPU; TE's token permutation (needs triton) against aligned_permute. TE's tests are left out,
+   with the reason, where TE cannot be imported. attention=cudnn_flash (cuDNN's fused attention) against
+   dot_product, forward and q/k/v gradients in bf16, GQA and MLA, packed documents and a row beyond its bound.
 2. ep (correctness, only with --ep N): MaxText.benchmarks.ep_check on N GPUs, one process each through
    scripts/launch.sh --local N: te_dropless with NCCL EP against te_kernels=reference and the float32
    per-expert loop, forward and gradients, three routings. Its own table and JSON (<json>.ep.json).
@@ -20,6 +22,10 @@ and the next part runs):
    routing of 8 experts per token) for jax.lax.ragged_dot and TE's grouped GEMM (groups rounded up to 128
    rows, as te_dropless feeds it), next to a bf16 8192^3 dense matmul measured in the same run.
 5. moe_layer (timing): MoE layer forward+backward TFLOP/s per moe_impl (MaxText.benchmarks.moe_layer).
+6. attention (timing): the attention core at DeepSeek-V3's MLA layer shape (1 x 4096 tokens, 128 heads, q/k
+   head dim 192, v 128, bf16, one document), forward and forward+backward per `attention` impl (dot_product,
+   chunked, cudnn_flash), TFLOP/s of the causal half's useful FLOPs, whether cuDNN's kernel is in the
+   compiled step, and cudnn_flash's largest output difference from dot_product.
 Prints one table, writes everything as JSON (always, even when a part raised), and exits 1 when a correctness
 part failed or any part raised. `--smoke` shrinks every shape so the kit runs on a CPU (numbers meaningless):
 `python -m MaxText.benchmarks.gpu_check --smoke`, about 30 s on 2 cores.
@@ -107,15 +113,19 @@ def subprocess_env(**extra) -> dict:
 
 
 def check_kernels(kit: Kit) -> dict:
-    """pytest -m gpu over the TE kernel tests, in a subprocess (its own JAX on the GPU)."""
-    if kit.te_missing:
-        return {"status": "skipped", "reason": kit.te_missing}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider",
-           os.path.join("tests", "test_te_dropless.py")]
+    """pytest -m gpu over the kernel tests (TE's where TE imports, cuDNN attention's), in a subprocess (its own
+    JAX on the GPU)."""
+    if jax.default_backend() != "gpu":  # --smoke on a CPU: every test would skip
+        return {"status": "skipped", "reason": f"the kernel tests need an NVIDIA GPU ({jax.default_backend()} here)"}
+    files = ([] if kit.te_missing else [os.path.join("tests", "test_te_dropless.py")]) + [
+        os.path.join("tests", "test_attention_cudnn.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", *files]
     rc, out, timed_out = run_subprocess(cmd, subprocess_env(JAX_PLATFORMS=""), KERNEL_TESTS_TIMEOUT_S)
     lines = out.strip().splitlines() or ["(no output)"]
     result = {"summary": lines[-1], "details": [line for line in lines if line.startswith(("FAILED", "ERROR",
                                                                                           "SKIPPED"))]}
+    if kit.te_missing:
+        result["details"].insert(0, f"TE's kernel tests left out: {first_line(kit.te_missing)}")
     if timed_out:
         return {**result, "status": "error", "error": f"pytest timed out after {KERNEL_TESTS_TIMEOUT_S} s",
                 "output_tail": out[-4000:]}
@@ -238,9 +248,45 @@ def check_moe_layer(kit: Kit) -> dict:
     return result
 
 
+def check_attention(kit: Kit) -> dict:
+    """fwd and fwd+bwd time of the attention core per `attention` impl at DeepSeek-V3's MLA layer shape."""
+    from MaxText.layers.attention import attention
+
+    b, length, h, kd, vd = (1, 256, 4, 32, 16) if kit.smoke else (1, 4096, 128, 192, 128)
+    repeats = 2 if kit.smoke else 10
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k = (jax.random.normal(key, (b, length, h, kd), jnp.bfloat16) for key in keys[:2])
+    v, ct = (jax.random.normal(key, (b, length, h, vd), jnp.bfloat16) for key in keys[2:])
+    segments = jnp.ones((b, length), jnp.int32)
+    fwd_flops = 2 * b * h * length * (length + 1) // 2 * (kd + vd)  # the causal half: q k^T and p v
+    out = {"status": "done", "shape": {"batch": b, "length": length, "heads": h, "qk_head_dim": kd,
+                                       "v_head_dim": vd, "dtype": "bfloat16"}, "impls": {}}
+    outputs = {}
+    for impl in ("dot_product", "chunked", "cudnn_flash"):
+        def attend(q, k, v, impl=impl):
+            return attention(q, k, v, segments, impl=impl, chunk_size=512, scale=kd ** -0.5)
+
+        def fwd_bwd(q, k, v, ct, attend=attend):
+            y, vjp = jax.vjp(attend, q, k, v)
+            return (y, *vjp(ct))
+        fwd = jax.jit(attend)
+        t_fwd = gmm_bench.time_calls(fwd, (q, k, v), repeats)["s"]
+        t_fb = gmm_bench.time_calls(jax.jit(fwd_bwd), (q, k, v, ct), repeats)["s"]
+        outputs[impl] = np.asarray(fwd(q, k, v), np.float32)
+        out["impls"][impl] = {"fwd_s": t_fwd, "fwd_bwd_s": t_fb, "fwd_tflops": fwd_flops / t_fwd / 1e12,
+                              "fwd_bwd_tflops": 3 * fwd_flops / t_fb / 1e12}
+    compiled = jax.jit(lambda q, k, v: attention(q, k, v, segments, impl="cudnn_flash", chunk_size=512,
+                                                 scale=kd ** -0.5)).lower(q, k, v).compile().as_text()
+    out["cudnn_kernel"] = "__cudnn$fmha" in compiled
+    reference = outputs["dot_product"]
+    difference = np.abs(outputs["cudnn_flash"] - reference).max() / np.abs(reference).max()
+    out["cudnn_flash_max_difference"] = float(difference)
+    return out
+
+
 # Run in this order: the subprocess parts first, while this process holds little GPU memory.
 PARTS = {"kernels": check_kernels, "ep": check_ep, "impls_agree": check_impls_agree,
-         "grouped_gemm": check_grouped_gemm, "moe_layer": check_moe_layer}
+         "grouped_gemm": check_grouped_gemm, "moe_layer": check_moe_layer, "attention": check_attention}
 
 
 def run_part(part, kit: Kit) -> dict:
@@ -278,6 +324,14 @@ def part_lines(name: str, r: dict) -> list[str]:
     if name == "moe_layer":
         return [f"{row['method']:<26} fwd {row['fwd_tflops']:8.3g} TFLOP/s   fwd+bwd {row['fwd_bwd_tflops']:8.3g} "
                 f"TFLOP/s   dropped {row['dropped_fraction']:.1%}" for row in r["rows"]]
+    if name == "attention":
+        lines = [f"{r['shape']}: cuDNN kernel {'in' if r['cudnn_kernel'] else 'NOT in'} the cudnn_flash step; its "
+                 f"output differs from dot_product's by {r['cudnn_flash_max_difference']:.1e} of the largest"]
+        base = r["impls"]["dot_product"]["fwd_bwd_s"]
+        lines += [f"{impl:<12} fwd {m['fwd_s'] * 1e3:8.2f} ms {m['fwd_tflops']:7.3g} TFLOP/s   fwd+bwd "
+                  f"{m['fwd_bwd_s'] * 1e3:8.2f} ms {m['fwd_bwd_tflops']:7.3g} TFLOP/s   ({base / m['fwd_bwd_s']:.2f}x "
+                  "dot_product)" for impl, m in r["impls"].items()]
+        return lines
     return []
 
 

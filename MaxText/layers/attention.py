@@ -1,7 +1,8 @@
 """Causal grouped-query attention (GQA) with RoPE and document (segment) masking.
 
 The score/softmax/value core is shared with MLA (attention_mla.py); `attention: chunked` runs it over
-blocks of query rows so that no [B, H, L, L] score matrix is ever held.
+blocks of query rows so that no [B, H, L, L] score matrix is ever held; `attention: cudnn_flash` runs cuDNN's
+fused kernel on CUDA GPUs (attention_cudnn.py) and the chunked path elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.layers import attention_cudnn
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, interleaved, static_rope_frequencies
@@ -49,15 +51,24 @@ class Attention(nnx.Module):
         freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
         q = apply_rope(q, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
         k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
-        out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size)
+        out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
+                             rules=self.rules)
         out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
 
 
-def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None):
-    """The `attention` config choice: dot_product (all [B, H, L, L] scores at once) or chunked (one
-    [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass)."""
+def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None,
+              rules=None):
+    """The `attention` config choice: dot_product (all [B, H, L, L] scores at once), chunked (one
+    [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass) or cudnn_flash
+    (cuDNN's fused kernel on CUDA, chunked elsewhere and for rows with more documents than it takes).
+    rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding."""
+    if impl == "cudnn_flash":
+        scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+        fallback = functools.partial(chunked_attention, chunk_size=chunk_size, scale=scale)
+        return attention_cudnn.attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, scale=scale, fallback=fallback,
+                                         rules=rules)
     if impl == "chunked":
         return chunked_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, chunk_size=chunk_size, scale=scale)
     return dot_product_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, scale=scale)

@@ -87,7 +87,7 @@ class MLA(nnx.Module):
 
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
-                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale)
+                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules)
         out = jnp.einsum("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt))
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
