@@ -26,17 +26,25 @@ def peak_tflops(device_kind: str):
     return None
 
 
+def attention_core_flops_per_token(cfg) -> float:
+    """Forward FLOPs of one attention layer's causal score and value products per token (each token attends
+    to L/2 positions on average)."""
+    h, length = cfg.base_num_query_heads, cfg.max_target_length
+    if cfg.attention_type == "mla":
+        return 2 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * length / 2
+    return 2 * 2 * h * cfg.head_dim * length / 2
+
+
 def attention_flops_per_token(cfg) -> float:
-    """Forward FLOPs of one attention layer per token: projections, and the causal score and value products
-    (each token attends to L/2 positions on average)."""
-    d, h, length = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.max_target_length
+    """Forward FLOPs of one attention layer per token: projections, and the causal score and value products."""
+    d, h = cfg.base_emb_dim, cfg.base_num_query_heads
     if cfg.attention_type == "mla":
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         query = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
         kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + v)
-        return 2 * (query + kv + h * v * d) + 2 * h * (qk + v) * length / 2
+        return 2 * (query + kv + h * v * d) + attention_core_flops_per_token(cfg)
     n, k = cfg.base_num_kv_heads, cfg.head_dim
-    return 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + 2 * 2 * h * k * length / 2
+    return 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + attention_core_flops_per_token(cfg)
 
 
 def model_flops_per_token(cfg) -> float:

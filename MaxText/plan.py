@@ -1,9 +1,12 @@
 """Plan a run before renting the machines: `python -m MaxText.plan <config.yml> [key=value ...] [--json]`.
 
+    python -m MaxText.plan --validate [--json]    # the step-time model against published runs
+
 Nothing is allocated and no accelerator is needed: the parameters come from jax.eval_shape over the real
 model, their per-device bytes from the shardings the trainer would give them (on an abstract mesh of
 `num_devices`), and the activations from a per-token count of what the config's remat/offload policy keeps
-(see `activation_bytes`). The verdict compares the per-device total with `hbm_gib`.
+(see `activation_bytes`). The verdict compares the per-device total with `hbm_gib`. With a `gpu_profile`, the
+step-time model (MaxText.steptime) adds seconds per step by term, tokens/s/GPU, TFLOP/s/GPU, MFU and the bound.
 
 Shapes in names: T tokens per device, D embed, V vocabulary, R rows in a MoE expert buffer.
 """
@@ -29,6 +32,7 @@ from MaxText.layers.moe.ep import peer_capacity
 from MaxText.layers.moe.te_dropless import aligned_buffer_rows
 from MaxText.metrics import model_flops_per_token
 from MaxText.state import state_spec
+from MaxText import steptime
 
 GIB = 2.0 ** 30
 # Memory a step needs beyond what is counted here (XLA workspace, cuBLAS/NCCL buffers, fragmentation):
@@ -379,7 +383,19 @@ def plan(cfg, hbm_gib: float | None = None) -> dict:
         "host_offload_bytes": acts["host_offload"],
         "hbm_gib": hbm,
         "verdict": verdict,
+        "step_time": modelled_step(cfg, mesh_shape, num_devices, counts.total, acts["host_offload"]),
     }
+
+
+def modelled_step(cfg, mesh_shape: dict, num_devices: int, total_params: float, offload_bytes: float) -> dict | None:
+    """MaxText.steptime for this config on its gpu_profile's hardware (None without a profile)."""
+    if cfg.gpu_profile not in steptime.PROFILE_HARDWARE:
+        return None
+    hw = steptime.HARDWARE[steptime.PROFILE_HARDWARE[cfg.gpu_profile]]
+    layout = steptime.layout_from_config(cfg, mesh_shape, num_devices, offload_bytes)
+    got = steptime.step_time(steptime.Model.from_config(cfg, total_params), layout, hw)
+    tflops = model_flops_per_token(cfg) * got["tokens_per_s_per_gpu"] / 1e12
+    return got | {"hardware": hw.name, "tflops_per_gpu": tflops, "mfu": tflops / hw.bf16_tflops}
 
 
 def format_table(p: dict) -> str:
@@ -412,6 +428,29 @@ def format_table(p: dict) -> str:
     else:
         lines.append("\nverdict: none (no accelerator here); set hbm_gib=G, e.g. "
                      + ", ".join(f"{k} {v:g}" for k, v in KNOWN_HBM_GIB.items()))
+    st = p["step_time"]
+    if st is None:
+        lines.append("\nstep time: set gpu_profile (" + ", ".join(steptime.PROFILE_HARDWARE) + ") for the model's")
+        return "\n".join(lines)
+    lines += ["", f"step time (MaxText.steptime on {st['hardware']})      s"]
+    for name, value in st["compute_s"].items():
+        lines.append(f"  {name:<20} {value:>10.2f}")
+    for name, value in st["comm_s"].items():
+        share = steptime.OVERLAP.get(name)
+        lines.append(f"  {name + ' comm':<20} {value:>10.2f}" + (f"   ({share:.0%} under compute)" if share else ""))
+    lines.append(f"  {'exposed comm':<20} {st['exposed_comm_s']:>10.2f}")
+    lines.append(f"step {st['step_s']:.2f} s: {st['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+                 f"{st['tflops_per_gpu']:.0f} TFLOP/s/GPU, MFU {st['mfu']:.0%} of bf16 peak; bound by {st['bound']}")
+    return "\n".join(lines)
+
+
+def format_validation(rows: list[dict]) -> str:
+    """The console view of steptime.validate()."""
+    lines = [f"{'published run':<50}{'tokens/s/GPU':>13}{'model':>8}{'error':>8}  bound",
+             *(f"{r['run']:<50}{r['published']:>13.0f}{r['model']:>8.0f}{r['error']:>+8.0%}  {r['bound']}"
+               for r in rows),
+             f"goal: within {steptime.VALIDATION_GOAL:.0%} of each; sources:",
+             *(f"  {r['run']}: {r['source']}" for r in rows)]
     return "\n".join(lines)
 
 
@@ -420,6 +459,10 @@ def main(argv=None) -> int:
     if parsed is None:
         return 0
     argv, as_json = parsed
+    if argv == ["--validate"]:
+        rows = steptime.validate()
+        print(json.dumps(rows, indent=2) if as_json else format_validation(rows))
+        return 0
     try:
         cfg = load_config(argv)
         result = plan(cfg)

@@ -1,0 +1,358 @@
+"""Step-time model: how long a training step takes on a GPU cluster, from FLOPs, bytes and the links they cross.
+
+    python -m MaxText.plan <recipe.yml> [key=value ...]     # the plan's step-time section (needs gpu_profile)
+    python -m MaxText.plan --validate                        # the model against published runs
+
+Per step and per GPU (work spreads evenly: tokens over data parallelism, layers over pipeline stages, heads and
+hidden units over tensor parallelism, experts over expert parallelism):
+
+  compute   GEMM FLOPs (dense and grouped apart) at a fraction of the GEMM precision's dense peak; attention's
+            score and value products at a fraction of the bf16 peak (a fused flash kernel, or XLA's unfused
+            attention); recomputed forward work included; memory-bound work (the MoE's permutes, activation
+            and FP8 casts, the optimizer update) at HBM bandwidth.
+  comm      each collective's bytes over the slowest link its group crosses: NVLink inside an NVLink domain,
+            the GPU's scale-out NIC across domains. EP all-to-all with the rows the dispatch really sends (one
+            per token and destination GPU, or per destination node where the dispatch forwards inside the node
+            over NVLink), TP all-reduces, FSDP all-gathers and reduce-scatters, data-parallel gradient
+            reduction, host offload over PCIe / NVLink-C2C.
+  overlap   each collective kind runs a stated fraction under compute (OVERLAP, EP_OVERLAP: assumptions per
+            mechanism, the same in every case, never tuned per case); the rest is exposed, and so is any
+            overlapped communication beyond the compute time.
+  pipeline  a (pp - 1) / (microbatches x virtual stages) bubble on top (DualPipe: half of it).
+
+The step is bounded by whichever of compute or a collective kind takes longest. The constants below were set
+once, for all of VALIDATION together; `plan --validate` prints each published figure beside the model's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from MaxText.config import layer_counts
+from MaxText.metrics import attention_core_flops_per_token, model_flops_per_token
+
+
+class Hardware(NamedTuple):
+    """One GPU of a system: dense peaks (no sparsity), bandwidths per direction."""
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float
+    hbm_tbps: float
+    nvlink_gbps: float     # per GPU, per direction
+    nvlink_domain: int     # GPUs one NVLink fabric joins
+    nic_gbps: float        # scale-out per GPU, per direction (400 Gb/s = 50 GB/s)
+    host_gbps: float       # host link per GPU, per direction
+    source: str
+
+
+# Sources: NVIDIA datasheets (H100/H200 "with sparsity" figures halved), DeepSeek's ISCA paper for the H800
+# (arXiv 2505.09343: NVLink 400 GB/s, one 400G CX7 per GPU), the Megatron-LM GB200 note (900 GB/s per
+# direction on NVL72), NVIDIA's GB300 reference architecture (ConnectX-8). The host links are nominal
+# (PCIe Gen5 x16: 64 GB/s a direction; NVLink-C2C taken as 900 GB/s shared by a Grace and two GPUs: unsourced).
+HARDWARE = {h.name: h for h in (
+    Hardware("h100", 989, 1979, 3.35, 450, 8, 50, 64, "H100 SXM datasheet; DGX H100: 8x CX-7 400G"),
+    Hardware("h800", 989, 1979, 3.35, 200, 8, 50, 64, "Hopper compute as H100; NVLink 400 GB/s, CX7 400G"),
+    Hardware("h200", 989, 1979, 4.8, 450, 8, 50, 64, "H200 SXM datasheet: H100 compute, 4.8 TB/s"),
+    Hardware("b200", 2250, 4500, 8.0, 900, 8, 50, 64, "HGX B200: 2.25/4.5 PF dense, NVLink 5, CX-7 400G"),
+    Hardware("gb200", 2500, 5000, 8.0, 900, 72, 50, 450, "GB200 NVL72: 2.5/5 PF dense, 900 GB/s per direction"),
+    Hardware("gb300", 2500, 5000, 8.0, 900, 72, 100, 450, "GB300 NVL72: as GB200 for bf16/fp8, CX-8 800G"),
+)}
+# gpu_profile (MaxText.hardware) -> HARDWARE, and its NVLink domain
+PROFILE_HARDWARE = {"h100-sxm": "h100", "h200-sxm": "h200", "gb200-nvl72": "gb200", "gb300-nvl72": "gb300"}
+GPU_DOMAIN = {profile: HARDWARE[name].nvlink_domain for profile, name in PROFILE_HARDWARE.items()}
+
+# Fractions of peak reached, set once for every case.
+GEMM_EFFICIENCY = 0.55          # large dense GEMMs (cuBLAS), of the precision's dense peak
+GROUPED_GEMM_EFFICIENCY = 0.45  # expert grouped GEMMs (skewed group sizes, smaller per-expert shapes)
+# FP8 GEMMs (current scaling, MXFP8) reach this fraction of bf16's efficiency against their 2x peak: quantizing
+# the inputs and the scales cost what the faster math saves elsewhere (Megatron-Bridge 25.11, GB300, same
+# layout: FP8-MX 4357 tokens/s/GPU against BF16 3848, 1.13x end to end).
+FP8_GEMM_FACTOR = 0.65
+ATTENTION_EFFICIENCY = {"flash": 0.40, "xla": 0.12}  # fused flash kernel vs XLA's materialised scores (bf16)
+HBM_EFFICIENCY = 0.70
+COLLECTIVE_EFFICIENCY = 0.70    # ring all-gather / reduce-scatter / all-reduce, of the link bandwidth
+ALL_TO_ALL_EFFICIENCY = 0.50    # all-to-all: many peers, smaller messages
+# Fraction of each kind's time that runs under compute: XLA's latency-hiding scheduler (and Megatron's bucketed
+# overlap) hide gradient reduction, FSDP gathers and host transfers behind other layers' compute; tensor-parallel
+# all-reduces sit on the critical path.
+OVERLAP = {"fsdp": 0.9, "dp": 0.9, "tp": 0.0, "offload": 0.9}
+# The MoE all-to-all's overlap depends on the mechanism: none (XLA, whose grouped GEMMs wait for it; TE's NCCL
+# EP on its own stream), partial (Megatron-Core's 1F1B A2A overlap), full (DeepSeek's DualPipe).
+EP_OVERLAP = {"none": 0.0, "partial": 0.5, "full": 1.0}
+# Full overlap runs the all-to-all in kernels that hold SMs: DeepSeek-V3 kept 20 of the H800's 132 SMs for
+# communication (report section 3.2.2), so compute runs on the rest.
+FULL_OVERLAP_SM_SHARE = 20 / 132
+OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW: read param, grad, two moments (fp32), write param and moments
+
+
+class Layout(NamedTuple):
+    """How a run spreads over the GPUs, and what its kernels and collectives do."""
+    devices: int
+    seq: int
+    global_batch: int               # sequences per step
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1                     # virtual pipeline stages per GPU
+    ep: int = 1
+    fsdp: int = 1                   # expert weights' shards gathered before use (this trainer's fsdp axes)
+    fsdp_dense: int = 0             # dense weights' shards gathered before use (0: as fsdp; here fsdp x expert)
+    fsdp_crosses: bool = False      # an FSDP group spans NVLink domains
+    micro_batch: int = 1
+    gemm_precision: str = "bf16"    # bf16 | fp8 (the GEMMs' inputs; fp8 covers MXFP8)
+    grouped_precision: str = ""     # the expert GEMMs' precision where it differs ("": gemm_precision)
+    dispatch_bytes: float = 2.0     # per element of a dispatched token (FP8 dispatch: 1)
+    dispatch_per: str = "gpu"       # the EP dispatch sends one row per (token, destination): slot | gpu | node
+    ep_overlap: str = "none"        # EP_OVERLAP
+    dualpipe: bool = False          # DeepSeek's bidirectional pipeline: half the 1F1B bubble
+    recompute: float = 0.0          # fraction of a layer's forward FLOPs recomputed in the backward
+    attention_kernel: str = "flash"  # flash | xla
+    zero: bool = True               # distributed optimizer: reduce-scatter gradients, all-gather parameters
+    grad_bytes: float = 4.0         # gradient reduction dtype
+    gather_bytes: float = 2.0       # FSDP / ZeRO parameter all-gather dtype
+    offload_bytes: float = 0.0      # host offload per GPU per step, each way
+
+
+def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
+    """This trainer's layout for a config on its mesh: no pipeline; tensor, expert and FSDP axes as the sharding
+    rules place them (dense weights gathered over fsdp x expert, expert weights over fsdp), DCN axes outermost."""
+    from MaxText.config import global_batch_size
+
+    def axis(name):
+        return cfg[f"ici_{name}_parallelism"] * cfg[f"dcn_{name}_parallelism"]
+
+    fsdp, ep, tp = axis("fsdp"), axis("expert"), axis("tensor")
+    domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
+    ici = cfg.ici_fsdp_parallelism * cfg.ici_expert_parallelism * cfg.ici_tensor_parallelism
+    nccl_ep = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    return Layout(
+        devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
+        tp=tp, ep=ep, fsdp=fsdp, fsdp_dense=fsdp * ep,
+        fsdp_crosses=cfg.dcn_fsdp_parallelism > 1 or ici > domain,
+        grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
+        dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
+        recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
+        zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
+        gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes)
+
+
+# The named matmul outputs (config.py's remat names) by kind of FLOPs.
+_DENSE_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mla_q", "mla_kv", "mlpwi_0", "mlpwi_1", "mlpwo")
+_MOE_NAMES = ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+
+
+def recompute_fraction(cfg) -> float:
+    """Of a step's forward FLOPs, the fraction the backward recomputes under remat_policy: full, everything;
+    none, nothing; minimal, the attention products (every named matmul output is kept); custom, the attention
+    products and each named matmul whose tensor is set to remat (FLOPs shared evenly among a kind's names)."""
+    if cfg.remat_policy in ("full", "none"):
+        return float(cfg.remat_policy == "full")
+    m = Model.from_config(cfg, 0.0)
+    total = m.dense_gemm_flops + m.grouped_gemm_flops + m.attention_flops
+    redo = m.attention_flops
+    if cfg.remat_policy == "custom":
+        redo += m.dense_gemm_flops * sum(cfg[n] == "remat" for n in _DENSE_NAMES) / len(_DENSE_NAMES)
+        redo += m.grouped_gemm_flops * sum(cfg[n] == "remat" for n in _MOE_NAMES) / len(_MOE_NAMES)
+    return redo / total
+
+
+def expected_destinations(num_experts: int, top_k: int, units: int, groups: int | None = None,
+                          keep: int | None = None) -> float:
+    """Expected distinct units (`units` equal blocks of consecutive experts: GPUs or nodes) that a token's top_k
+    distinct experts fall in, when `keep` of `groups` groups are kept uniformly and the experts are chosen
+    uniformly among theirs (all experts without groups): balanced routing, which training approaches."""
+    size = num_experts // units
+    groups, keep = (groups, keep) if groups else (num_experts, num_experts)  # no groups: every expert "kept"
+    group = num_experts // groups
+    pool = keep * group  # the experts a token chooses from
+
+    def missed(experts_in_unit):  # P(none of the top_k falls among these of the pool)
+        return math.comb(pool - experts_in_unit, top_k) / math.comb(pool, top_k)
+
+    if size <= group:  # a unit inside one group: hit when its group is kept and a choice falls in it
+        return units * keep / groups * (1 - missed(size))
+    per_unit = size // group  # whole groups per unit: hit when one of its kept groups receives a choice
+    kept = [math.comb(per_unit, j) * math.comb(groups - per_unit, keep - j) / math.comb(groups, keep)
+            for j in range(min(per_unit, keep) + 1)]
+    return units * (1 - sum(p * missed(j * group) for j, p in enumerate(kept)))
+
+
+def _span_crosses(group: int, stride: int, domain: int) -> bool:
+    """Whether a group of `group` ranks `stride` apart (inner axes' product) leaves one NVLink domain."""
+    return group * stride > domain
+
+
+def _ring(bytes_: float, group: int, crosses: bool, hw: Hardware) -> float:
+    """Seconds of a ring all-gather / reduce-scatter of a `bytes_` buffer over `group` GPUs."""
+    if group <= 1:
+        return 0.0
+    bw = (hw.nic_gbps if crosses else hw.nvlink_gbps) * 1e9 * COLLECTIVE_EFFICIENCY
+    return bytes_ * (group - 1) / group / bw
+
+
+class Model(NamedTuple):
+    """The architecture numbers the model needs, per token (forward FLOPs) and per GPU (parameters)."""
+    dense_gemm_flops: float     # attention projections, dense MLPs, shared experts, router, output head
+    grouped_gemm_flops: float   # routed experts
+    attention_flops: float      # causal score and value products
+    dense_params: float         # everything but the routed experts
+    expert_params: float
+    moe_layers: int
+    emb: int
+    experts: int
+    top_k: int
+    moe_hidden: int
+    groups: int | None
+    keep: int | None
+    layers: int
+
+    @classmethod
+    def from_config(cls, cfg, total_params: float) -> "Model":
+        _, num_moe = layer_counts(cfg)
+        d, k, f = cfg.base_emb_dim, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim
+        moe_layers = num_moe + (cfg.mtp_num_layers if cfg.num_experts > 1 else 0)
+        attention = attention_core_flops_per_token(cfg) * (cfg.base_num_decoder_layers + cfg.mtp_num_layers)
+        grouped = moe_layers * k * 2 * 3 * d * f if cfg.num_experts > 1 else 0.0
+        dense = model_flops_per_token(cfg) / 3 - attention - grouped
+        expert_params = moe_layers * cfg.num_experts * 3 * d * f if cfg.num_experts > 1 else 0.0
+        return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
+                   cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
+                   cfg.base_num_decoder_layers + cfg.mtp_num_layers)
+
+
+def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
+    """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
+    tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
+    def peak(precision):
+        return (hw.fp8_tflops * FP8_GEMM_FACTOR if precision == "fp8" else hw.bf16_tflops) * 1e12
+
+    grouped_precision = lay.grouped_precision or lay.gemm_precision
+    forward = 1.0 + lay.recompute  # forward passes per step (recompute included), the backward twice a forward
+    passes = forward + 2.0
+    t = {}
+    t["dense_gemm"] = tokens * m.dense_gemm_flops * passes / (peak(lay.gemm_precision) * GEMM_EFFICIENCY)
+    t["grouped_gemm"] = tokens * m.grouped_gemm_flops * passes / (peak(grouped_precision) * GROUPED_GEMM_EFFICIENCY)
+    t["attention"] = tokens * m.attention_flops * passes / (
+        hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY[lay.attention_kernel])
+    hbm = hw.hbm_tbps * 1e12 * HBM_EFFICIENCY
+    d, k, f = m.emb, m.top_k, m.moe_hidden
+    # per token and MoE layer, forward: permute in (D) and out (K x D), unpermute and combine (K x D + D), SwiGLU
+    # (2 K F in, K F out), in bf16; FP8 casts read the GEMM inputs again. The backward moves about twice this.
+    moe_bytes = 2 * ((2 + 2 * k) * d + 3 * k * f) + (2 * k * (d + f) if grouped_precision == "fp8" else 0)
+    fsdp_dense = lay.fsdp_dense or lay.fsdp
+    dense_dp = lay.devices // (lay.tp * lay.pp * fsdp_dense)  # replicas of each dense weight shard
+    expert_dp = lay.devices // (lay.ep * lay.pp * lay.fsdp)
+    local_params = (m.dense_params + m.expert_params) / lay.devices if lay.zero else (
+        m.dense_params / (lay.tp * lay.pp * fsdp_dense) + m.expert_params / (lay.ep * lay.pp * lay.fsdp))
+    t["memory_bound"] = (tokens * m.moe_layers * moe_bytes * passes + local_params * OPTIMIZER_BYTES_PER_PARAM) / hbm
+    compute = sum(t.values())
+    if lay.ep_overlap == "full" and lay.ep > 1:
+        compute /= 1 - FULL_OVERLAP_SM_SHARE
+
+    comm = {}
+    if lay.ep > 1 and m.experts > 1:
+        units = {"slot": None, "gpu": lay.ep, "node": max(1, lay.ep * lay.tp // hw.nvlink_domain)}[lay.dispatch_per]
+        rows = k if units is None else expected_destinations(m.experts, k, units, m.groups, m.keep)
+        crosses = _span_crosses(lay.ep, lay.tp, hw.nvlink_domain)
+        remote = (1 - hw.nvlink_domain / (lay.ep * lay.tp)) if crosses else (1 - 1 / lay.ep)
+        bw = (hw.nic_gbps if crosses else hw.nvlink_gbps) * 1e9 * ALL_TO_ALL_EFFICIENCY
+        # dispatch and combine forward, their transposes backward, the dispatch again where recomputed
+        per_row = d * (lay.dispatch_bytes + 2 + 2 + 2 + lay.recompute * lay.dispatch_bytes)
+        comm["ep"] = tokens * m.moe_layers * rows * remote * per_row / bw
+    if lay.tp > 1:
+        # sequence-parallel reduce-scatter + all-gather around attention and the MLP, forward and backward
+        # (a stage's layers/pp layers over its replica's tokens x tp x pp: per GPU, all layers over tokens x tp)
+        comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, False, hw)
+    if fsdp_dense > 1 or lay.fsdp > 1:
+        gathers = 2 + (1 if lay.recompute > 0 else 0)  # forward, backward, and the recomputed forward
+        fsdp = 0.0
+        for needed, group in ((m.dense_params / lay.tp, fsdp_dense), (m.expert_params / lay.ep, lay.fsdp)):
+            fsdp += (gathers * _ring(needed * lay.gather_bytes, group, lay.fsdp_crosses, hw)
+                     + _ring(needed * lay.grad_bytes, group, lay.fsdp_crosses, hw))
+        comm["fsdp"] = fsdp
+    dp = 0.0
+    for params, group, stride in ((m.dense_params / (lay.tp * lay.pp), dense_dp, lay.tp),
+                                  (m.expert_params / (lay.ep * lay.pp), expert_dp, lay.ep * lay.tp)):
+        crosses = _span_crosses(group, stride, hw.nvlink_domain)
+        per = params * lay.grad_bytes
+        dp += (_ring(per, group, crosses, hw) + _ring(params * lay.gather_bytes, group, crosses, hw)
+               if lay.zero else 2 * _ring(per, group, crosses, hw))
+    if dp:
+        comm["dp"] = dp
+    if lay.offload_bytes:
+        comm["offload"] = 2 * lay.offload_bytes / (hw.host_gbps * 1e9)
+
+    overlap = OVERLAP | {"ep": EP_OVERLAP[lay.ep_overlap]}
+    hidden = sum(v * overlap[kind] for kind, v in comm.items())
+    exposed = sum(v * (1 - overlap[kind]) for kind, v in comm.items()) + max(0.0, hidden - compute)
+    microbatches = max(1, lay.global_batch // (lay.micro_batch * lay.devices // (lay.tp * lay.pp)))
+    bubble = (lay.pp - 1) / (microbatches * lay.vp) * (0.5 if lay.dualpipe else 1.0) if lay.pp > 1 else 0.0
+    step = (compute + exposed) * (1 + bubble)
+    terms = {"compute": compute} | comm
+    return {"compute_s": t, "comm_s": comm, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
+            "tokens_per_s_per_gpu": lay.global_batch * lay.seq / lay.devices / step,
+            "bound": max(terms, key=terms.get)}
+
+
+class Published(NamedTuple):
+    """A published training run: its layout, measured tokens/s/GPU, and where it was published."""
+    name: str
+    hardware: str
+    layout: Layout
+    tokens_per_s_per_gpu: float
+    overrides: tuple        # onto configs/models/deepseek3-671b.yml
+    source: str
+
+
+_BALANCED = ("n_routing_groups=null", "topk_routing_group=null")  # Megatron's forced load balancing: uniform top-k
+VALIDATION = (
+    Published("DeepSeek-V3 pre-training, 2048 H800", "h800",
+              Layout(2048, 4096, 15360, pp=16, ep=64, micro_batch=1, gemm_precision="fp8", dispatch_bytes=1.0,
+                     dispatch_per="node", ep_overlap="full", dualpipe=True, recompute=0.05), 1543.0, (),
+              "arXiv 2412.19437 (DeepSeek-V3 report): 180K H800 GPU-hours per trillion tokens = 1543 tokens/s/GPU; "
+              "PP16, EP64 over 8 nodes, ZeRO-1 DP; FP8; batch 15360 x 4K; DualPipe; recompute of RMSNorm and MLA "
+              "up-projections"),
+    Published("Megatron-Bridge 26.02, 256 GB200, MXFP8", "gb200",
+              Layout(256, 4096, 4096, pp=4, vp=4, ep=64, micro_batch=1, gemm_precision="fp8", ep_overlap="partial",
+                     recompute=0.1), 3955.0, _BALANCED,
+              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (26.02): DeepSeekV3, GBS 4096, MBS 1, PP4, "
+              "VP4, EP64, TP1, FP8-MX, 3955 tokens/s/GPU (1028 TFLOP/s)"),
+    Published("Megatron-Bridge 26.02, 256 GB300, MXFP8", "gb300",
+              Layout(256, 4096, 4096, pp=2, vp=8, ep=32, micro_batch=2, gemm_precision="fp8", ep_overlap="partial",
+                     recompute=0.1), 4612.0, _BALANCED,
+              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (26.02): DeepSeekV3, GBS 4096, MBS 2, PP2, "
+              "VP8, EP32, TP1, FP8-MX, 4612 tokens/s/GPU (1199 TFLOP/s)"),
+    Published("Megatron-Bridge 25.09, 1024 H100", "h100",
+              Layout(1024, 4096, 8192, tp=2, pp=8, vp=4, ep=64, micro_batch=1, gemm_precision="fp8",
+                     dispatch_bytes=1.0, dispatch_per="node", ep_overlap="partial", recompute=0.1), 1297.0, _BALANCED,
+              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.09): DeepSeekV3 dropless, GBS 8192, MBS 1, "
+              "TP2, PP8, VP4, EP64, 1297 tokens/s/GPU (338 TFLOP/s); precision not printed (FP8 taken: a footnote "
+              "compares its block scaling); DeepEP's node-deduplicated FP8 dispatch across nodes assumed, not read"),
+    Published("Megatron-Bridge 25.11, 256 GB300, BF16, no MTP", "gb300",
+              Layout(256, 4096, 4096, pp=2, vp=4, ep=32, micro_batch=1, ep_overlap="partial", recompute=0.1),
+              3848.0, _BALANCED + ("mtp_num_layers=0",),
+              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11): DeepSeekV3 without MTP, BF16, GBS "
+              "4096, PP2, VP4, EP32, TP1, GA32, 3848 tokens/s/GPU (961 TFLOP/s)"),
+    Published("Megatron-Bridge 25.11, 256 GB200, BF16, no MTP", "gb200",
+              Layout(256, 4096, 4096, pp=4, vp=4, ep=64, micro_batch=1, ep_overlap="partial", recompute=0.1),
+              3139.0, _BALANCED + ("mtp_num_layers=0",),
+              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11): DeepSeekV3 without MTP, BF16, GBS "
+              "4096, PP4, VP4, EP64, TP1, GA64, 3139 tokens/s/GPU (782 TFLOP/s)"),
+)
+VALIDATION_GOAL = 0.25
+
+
+def validate() -> list[dict]:
+    """Each published run beside the model: measured and modelled tokens/s/GPU, the error, the bound."""
+    from MaxText.config import load_config
+    from MaxText.plan import parameter_counts
+
+    rows = []
+    for run in VALIDATION:
+        cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b", f"max_target_length={run.layout.seq}",
+                           *run.overrides])
+        got = step_time(Model.from_config(cfg, parameter_counts(cfg).total), run.layout, HARDWARE[run.hardware])
+        rows.append({"run": run.name, "published": run.tokens_per_s_per_gpu, "model": got["tokens_per_s_per_gpu"],
+                     "error": got["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu - 1, "bound": got["bound"],
+                     "step_s": got["step_s"], "terms_s": got["compute_s"] | got["comm_s"], "source": run.source})
+    return rows

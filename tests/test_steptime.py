@@ -1,0 +1,97 @@
+"""The step-time model (MaxText.steptime): its routing arithmetic against sampling, its terms against the links
+they cross, this trainer's layout read from a recipe, and its error against published runs."""
+
+import os
+
+import numpy as np
+import pytest
+
+from MaxText import plan, steptime
+from MaxText.config import load_config
+
+GB200_RECIPE = os.path.join("configs", "gpu", "deepseek3-671b-gb200-128.yml")
+
+
+def _sampled_destinations(experts, top_k, units, groups, keep, n=20000, seed=0):
+    """The balanced-routing model by sampling: keep `keep` groups uniformly, then top_k distinct experts."""
+    rng = np.random.default_rng(seed)
+    size, total = experts // units, 0
+    for _ in range(n):
+        if groups:
+            g = experts // groups
+            pool = (rng.choice(groups, keep, replace=False)[:, None] * g + np.arange(g)).ravel()
+        else:
+            pool = np.arange(experts)
+        total += len(set(rng.choice(pool, top_k, replace=False) // size))
+    return total / n
+
+
+@pytest.mark.parametrize("experts,top_k,units,groups,keep", [
+    (256, 8, 64, None, None),  # Megatron's balanced routing at EP 64
+    (256, 8, 8, 8, 4),         # DeepSeek-V3 at EP 8: a GPU is a group
+    (256, 8, 64, 8, 4),        # EP 64: units inside groups
+    (64, 8, 4, 8, 4),          # two groups per unit
+    (256, 8, 2, 8, 4),         # four groups per unit
+])
+def test_expected_destinations_match_sampling(experts, top_k, units, groups, keep):
+    got = steptime.expected_destinations(experts, top_k, units, groups, keep)
+    want = _sampled_destinations(experts, top_k, units, groups, keep)
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+    assert 1 <= got <= min(top_k, units)
+
+
+def _model():
+    cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b"])
+    return steptime.Model.from_config(cfg, 682.6e9)
+
+
+def test_each_term_follows_the_link_it_crosses():
+    """Halving the NIC halves nothing inside an NVLink domain and doubles what crosses domains; EP past the
+    domain moves its all-to-all onto the NIC; the pipeline bubble shrinks with more microbatches."""
+    m, hw = _model(), steptime.HARDWARE["h100"]
+    slow_nic = hw._replace(nic_gbps=hw.nic_gbps / 2)
+    inside = steptime.Layout(64, 4096, 512, ep=8, fsdp=8, fsdp_dense=64, fsdp_crosses=True)
+    a, b = steptime.step_time(m, inside, hw), steptime.step_time(m, inside, slow_nic)
+    assert b["comm_s"]["ep"] == a["comm_s"]["ep"] > 0  # EP 8 stays on NVLink
+    assert b["comm_s"]["fsdp"] == pytest.approx(2 * a["comm_s"]["fsdp"])
+    across = steptime.step_time(m, inside._replace(ep=16, fsdp=4, fsdp_dense=64), hw)
+    assert across["comm_s"]["ep"] > 3 * a["comm_s"]["ep"], (across["comm_s"], a["comm_s"])
+    few, many = (steptime.step_time(m, steptime.Layout(64, 4096, batch, pp=8, ep=8), hw)["bubble"]
+                 for batch in (64, 512))
+    assert few == pytest.approx(7 / 8) and many == pytest.approx(7 / 64)
+
+
+def test_fp8_and_full_overlap_change_what_they_should():
+    """FP8 speeds up the GEMMs only; DualPipe-style full overlap hides the all-to-all but costs compute SMs."""
+    m, hw = _model(), steptime.HARDWARE["h800"]
+    base = steptime.Layout(2048, 4096, 15360, pp=16, ep=64)
+    bf16, fp8 = steptime.step_time(m, base, hw), steptime.step_time(m, base._replace(gemm_precision="fp8"), hw)
+    assert fp8["compute_s"]["dense_gemm"] < bf16["compute_s"]["dense_gemm"]
+    assert fp8["compute_s"]["attention"] == bf16["compute_s"]["attention"]
+    full = steptime.step_time(m, base._replace(ep_overlap="full"), hw)
+    assert full["exposed_comm_s"] < bf16["exposed_comm_s"]
+    assert sum(full["compute_s"].values()) == pytest.approx(sum(bf16["compute_s"].values()))  # terms as modelled
+    assert full["step_s"] > sum(bf16["compute_s"].values()) / (1 - steptime.FULL_OVERLAP_SM_SHARE) * 0.99
+
+
+def test_the_model_is_within_its_goal_of_every_published_run():
+    """plan --validate: each published figure (sources in steptime.VALIDATION) within 25% of the model, with
+    constants set once for all of them."""
+    rows = steptime.validate()
+    assert len(rows) >= 3
+    misses = {r["run"]: f"{r['error']:+.0%}" for r in rows if abs(r["error"]) > steptime.VALIDATION_GOAL}
+    assert not misses, misses
+    assert all(r["source"] and r["bound"] in ("compute", "ep", "fsdp", "dp", "tp", "offload") for r in rows)
+
+
+def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
+    cfg = load_config([GB200_RECIPE])
+    layout = steptime.layout_from_config(cfg, {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}, 128)
+    assert (layout.ep, layout.fsdp, layout.fsdp_dense, layout.fsdp_crosses) == (8, 16, 128, True)
+    assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "gpu"
+    assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
+    assert plan.main([GB200_RECIPE]) == 0
+    table = capsys.readouterr().out
+    assert "step time (MaxText.steptime on gb200)" in table and "tokens/s/GPU" in table, table
+    assert plan.main(["--validate"]) == 0
+    assert "DeepSeek-V3 pre-training, 2048 H800" in capsys.readouterr().out
