@@ -97,7 +97,8 @@ class Layout(NamedTuple):
     ep: int = 1
     fsdp: int = 1                   # expert weights' shards gathered before use (this trainer's fsdp axes)
     fsdp_dense: int = 0             # dense weights' shards gathered before use (0: as fsdp; here fsdp x expert)
-    fsdp_crosses: bool = False      # an FSDP group spans NVLink domains
+    fsdp_local: int = 0             # members of an FSDP group inside one NVLink domain (0: the whole group)
+    fsdp_dense_local: int = 0       # the same for the dense weights' group
     micro_batch: int = 1
     gemm_precision: str = "bf16"    # bf16 | fp8 (the GEMMs' inputs; fp8 covers MXFP8)
     grouped_precision: str = ""     # the expert GEMMs' precision where it differs ("": gemm_precision)
@@ -123,12 +124,14 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
 
     fsdp, ep, tp = axis("fsdp"), axis("expert"), axis("tensor")
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
-    ici = cfg.ici_fsdp_parallelism * cfg.ici_expert_parallelism * cfg.ici_tensor_parallelism
     nccl_ep = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
         tp=tp, ep=ep, fsdp=fsdp, fsdp_dense=fsdp * ep,
-        fsdp_crosses=cfg.dcn_fsdp_parallelism > 1 or ici > domain,
+        fsdp_local=_local(cfg.ici_fsdp_parallelism, cfg.ici_expert_parallelism * cfg.ici_tensor_parallelism,
+                          fsdp, domain),
+        fsdp_dense_local=_local(cfg.ici_fsdp_parallelism * cfg.ici_expert_parallelism, cfg.ici_tensor_parallelism,
+                                fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
         dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
@@ -177,17 +180,26 @@ def expected_destinations(num_experts: int, top_k: int, units: int, groups: int 
     return units * (1 - sum(p * missed(j * group) for j, p in enumerate(kept)))
 
 
-def _span_crosses(group: int, stride: int, domain: int) -> bool:
-    """Whether a group of `group` ranks `stride` apart (inner axes' product) leaves one NVLink domain."""
-    return group * stride > domain
+def _local(ici_members: int, ici_stride: int, group: int, domain: int) -> int:
+    """Members of a mesh group inside one NVLink domain: its ICI part, as far as the domain reaches past the
+    inner axes (0 when the whole group is inside one domain)."""
+    inside = max(1, min(ici_members, domain // max(1, ici_stride)))
+    return 0 if inside >= group else inside
 
 
-def _ring(bytes_: float, group: int, crosses: bool, hw: Hardware) -> float:
-    """Seconds of a ring all-gather / reduce-scatter of a `bytes_` buffer over `group` GPUs."""
+def _strided_local(group: int, stride: int, domain: int) -> int:
+    """Members inside one NVLink domain of a group of ranks `stride` apart (0: all of them)."""
+    return 0 if group * stride <= domain else max(1, domain // stride)
+
+
+def _ring(bytes_: float, group: int, local: int, hw: Hardware) -> float:
+    """Seconds of a ring all-gather / reduce-scatter of a `bytes_` buffer over `group` GPUs, `local` of them in
+    each NVLink domain (0: all in one). Across domains NCCL runs one ring per rail, so a domain's `local`
+    members' NICs carry the crossing traffic together: bus bandwidth min(NVLink, local x NIC)."""
     if group <= 1:
         return 0.0
-    bw = (hw.nic_gbps if crosses else hw.nvlink_gbps) * 1e9 * COLLECTIVE_EFFICIENCY
-    return bytes_ * (group - 1) / group / bw
+    bw = hw.nvlink_gbps if not local else min(hw.nvlink_gbps, local * hw.nic_gbps)
+    return bytes_ * (group - 1) / group / (bw * 1e9 * COLLECTIVE_EFFICIENCY)
 
 
 class Model(NamedTuple):
@@ -253,7 +265,7 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
     if lay.ep > 1 and m.experts > 1:
         units = {"slot": None, "gpu": lay.ep, "node": max(1, lay.ep * lay.tp // hw.nvlink_domain)}[lay.dispatch_per]
         rows = k if units is None else expected_destinations(m.experts, k, units, m.groups, m.keep)
-        crosses = _span_crosses(lay.ep, lay.tp, hw.nvlink_domain)
+        crosses = lay.ep * lay.tp > hw.nvlink_domain
         remote = (1 - hw.nvlink_domain / (lay.ep * lay.tp)) if crosses else (1 - 1 / lay.ep)
         bw = (hw.nic_gbps if crosses else hw.nvlink_gbps) * 1e9 * ALL_TO_ALL_EFFICIENCY
         # dispatch and combine forward, their transposes backward, the dispatch again where recomputed
@@ -262,21 +274,22 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
     if lay.tp > 1:
         # sequence-parallel reduce-scatter + all-gather around attention and the MLP, forward and backward
         # (a stage's layers/pp layers over its replica's tokens x tp x pp: per GPU, all layers over tokens x tp)
-        comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, False, hw)
+        comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, 0, hw)
     if fsdp_dense > 1 or lay.fsdp > 1:
         gathers = 2 + (1 if lay.recompute > 0 else 0)  # forward, backward, and the recomputed forward
         fsdp = 0.0
-        for needed, group in ((m.dense_params / lay.tp, fsdp_dense), (m.expert_params / lay.ep, lay.fsdp)):
-            fsdp += (gathers * _ring(needed * lay.gather_bytes, group, lay.fsdp_crosses, hw)
-                     + _ring(needed * lay.grad_bytes, group, lay.fsdp_crosses, hw))
+        for needed, group, local in ((m.dense_params / lay.tp, fsdp_dense, lay.fsdp_dense_local),
+                                     (m.expert_params / lay.ep, lay.fsdp, lay.fsdp_local)):
+            fsdp += (gathers * _ring(needed * lay.gather_bytes, group, local, hw)
+                     + _ring(needed * lay.grad_bytes, group, local, hw))
         comm["fsdp"] = fsdp
     dp = 0.0
     for params, group, stride in ((m.dense_params / (lay.tp * lay.pp), dense_dp, lay.tp),
                                   (m.expert_params / (lay.ep * lay.pp), expert_dp, lay.ep * lay.tp)):
-        crosses = _span_crosses(group, stride, hw.nvlink_domain)
+        local = _strided_local(group, stride * lay.fsdp, hw.nvlink_domain)
         per = params * lay.grad_bytes
-        dp += (_ring(per, group, crosses, hw) + _ring(params * lay.gather_bytes, group, crosses, hw)
-               if lay.zero else 2 * _ring(per, group, crosses, hw))
+        dp += (_ring(per, group, local, hw) + _ring(params * lay.gather_bytes, group, local, hw)
+               if lay.zero else 2 * _ring(per, group, local, hw))
     if dp:
         comm["dp"] = dp
     if lay.offload_bytes:

@@ -46,14 +46,18 @@ def _model():
 
 
 def test_each_term_follows_the_link_it_crosses():
-    """Halving the NIC halves nothing inside an NVLink domain and doubles what crosses domains; EP past the
-    domain moves its all-to-all onto the NIC; the pipeline bubble shrinks with more microbatches."""
+    """Halving the NIC halves nothing inside an NVLink domain and doubles what crosses domains; a group with
+    more members per domain crosses on more NICs at once; EP past the domain moves its all-to-all onto the NIC;
+    the pipeline bubble shrinks with more microbatches."""
     m, hw = _model(), steptime.HARDWARE["h100"]
     slow_nic = hw._replace(nic_gbps=hw.nic_gbps / 2)
-    inside = steptime.Layout(64, 4096, 512, ep=8, fsdp=8, fsdp_dense=64, fsdp_crosses=True)
+    # fsdp 8 one GPU per node (EP 8 inside each node), dense weights over all 64 GPUs, 8 per node
+    inside = steptime.Layout(64, 4096, 512, ep=8, fsdp=8, fsdp_dense=64, fsdp_local=1, fsdp_dense_local=8)
     a, b = steptime.step_time(m, inside, hw), steptime.step_time(m, inside, slow_nic)
     assert b["comm_s"]["ep"] == a["comm_s"]["ep"] > 0  # EP 8 stays on NVLink
     assert b["comm_s"]["fsdp"] == pytest.approx(2 * a["comm_s"]["fsdp"])
+    one_rail = steptime.step_time(m, inside._replace(fsdp_dense_local=1), hw)
+    assert one_rail["comm_s"]["fsdp"] > a["comm_s"]["fsdp"]
     across = steptime.step_time(m, inside._replace(ep=16, fsdp=4, fsdp_dense=64), hw)
     assert across["comm_s"]["ep"] > 3 * a["comm_s"]["ep"], (across["comm_s"], a["comm_s"])
     few, many = (steptime.step_time(m, steptime.Layout(64, 4096, batch, pp=8, ep=8), hw)["bubble"]
@@ -87,7 +91,9 @@ def test_the_model_is_within_its_goal_of_every_published_run():
 def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
     cfg = load_config([GB200_RECIPE])
     layout = steptime.layout_from_config(cfg, {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}, 128)
-    assert (layout.ep, layout.fsdp, layout.fsdp_dense, layout.fsdp_crosses) == (8, 16, 128, True)
+    # fsdp 8 x expert 8 in each NVL72 rack, fsdp 2 across the two: 8 (and 64) members of each group per rack
+    assert (layout.ep, layout.fsdp, layout.fsdp_dense, layout.fsdp_local, layout.fsdp_dense_local) == (
+        8, 16, 128, 8, 64)
     assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "gpu"
     assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
     assert plan.main([GB200_RECIPE]) == 0
