@@ -65,7 +65,8 @@ def test_wrong_tasks_per_node_fails():
 
 
 def test_cli_exit_codes_and_table(capsys):
-    assert preflight.main([GB200, *DATA]) == 0
+    """The command line around preflight() (whose full-scale lowering test_every_gpu_recipe_passes runs)."""
+    assert preflight.main([GB200, *DATA, "--no-lowering"]) == 0
     out = capsys.readouterr().out
     assert "ready to launch" in out and "mesh" in out and "lowering" in out
     assert preflight.main([GB200, *DATA, "host_memory_limit_gb=64", "ici_expert_parallelism=1",
