@@ -119,19 +119,17 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
     rules place them (dense weights gathered over fsdp x expert, expert weights over fsdp), DCN axes outermost."""
     from MaxText.config import global_batch_size
 
-    def axis(name):
-        return cfg[f"ici_{name}_parallelism"] * cfg[f"dcn_{name}_parallelism"]
+    def ici(name):  # the mesh axis's size inside a slice (ICI); the rest is DCN
+        return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
 
-    fsdp, ep, tp = axis("fsdp"), axis("expert"), axis("tensor")
+    fsdp, ep, tp = mesh_shape["fsdp"], mesh_shape["expert"], mesh_shape["tensor"]
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
     nccl_ep = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
         tp=tp, ep=ep, fsdp=fsdp, fsdp_dense=fsdp * ep,
-        fsdp_local=_local(cfg.ici_fsdp_parallelism, cfg.ici_expert_parallelism * cfg.ici_tensor_parallelism,
-                          fsdp, domain),
-        fsdp_dense_local=_local(cfg.ici_fsdp_parallelism * cfg.ici_expert_parallelism, cfg.ici_tensor_parallelism,
-                                fsdp * ep, domain),
+        fsdp_local=_local(ici("fsdp"), ici("expert") * ici("tensor"), fsdp, domain),
+        fsdp_dense_local=_local(ici("fsdp") * ici("expert"), ici("tensor"), fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
         dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",

@@ -88,6 +88,15 @@ def test_the_model_is_within_its_goal_of_every_published_run():
     assert all(r["source"] and r["bound"] in ("compute", "ep", "fsdp", "dp", "tp", "offload") for r in rows)
 
 
+def test_a_mesh_filled_in_from_minus_one_is_read_from_the_mesh():
+    """base.yml's ici_fsdp_parallelism=-1 (fill the devices): the layout comes from the mesh, and every term
+    of a small step is positive."""
+    cfg = load_config(["configs/base.yml", "gpu_profile=h100-sxm", "num_devices=8"])
+    st = plan.plan(cfg)["step_time"]
+    assert st is not None and all(v > 0 for v in st["compute_s"].values()), st
+    assert st["comm_s"]["fsdp"] > 0 and st["step_s"] > 0, st
+
+
 def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
     cfg = load_config([GB200_RECIPE])
     layout = steptime.layout_from_config(cfg, {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}, 128)
