@@ -1,6 +1,7 @@
 """Plan a run before renting the machines: `python -m MaxText.plan <config.yml> [key=value ...] [--json]`.
 
     python -m MaxText.plan --validate [--json]    # the step-time model against published runs
+    python -m MaxText.plan <recipe.yml> --search [num_devices=N] [--json]   # the fastest layouts that fit
 
 Nothing is allocated and no accelerator is needed: the parameters come from jax.eval_shape over the real
 model, their per-device bytes from the shardings the trainer would give them (on an abstract mesh of
@@ -464,6 +465,12 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=2) if as_json else format_validation(rows))
         return 0
     try:
+        if "--search" in argv:
+            from MaxText.layout_search import format_search, search
+
+            result = search([a for a in argv if a != "--search"])
+            print(json.dumps(result, indent=2) if as_json else format_search(result))
+            return 0
         cfg = load_config(argv)
         result = plan(cfg)
     except ConfigError as e:

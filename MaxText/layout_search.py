@@ -1,0 +1,105 @@
+"""Which layout trains a recipe fastest: `python -m MaxText.plan <recipe.yml> --search [num_devices=N] [--json]`.
+
+Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tensor parallelism inside a host,
+expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), FSDP over
+the rest; per-device batch sizes; the recipe's remat policy and `full`. The state is traced once (its shardings
+come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
+MaxText.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
+tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from MaxText import sharding, steptime
+from MaxText.config import ConfigError, load_config
+
+BATCHES = (1, 2, 4, 6, 8)
+TENSOR = (1, 2, 4, 8)
+AXES = ("data", "fsdp", "expert", "tensor")
+
+
+class Candidate(NamedTuple):
+    overrides: tuple        # key=value onto the recipe
+    mesh: dict
+    hbm_use: float          # of hbm_gib
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bound: str
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2 ** i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
+
+
+def meshes(num_devices: int, per_slice: int, per_host: int, num_experts: int):
+    """(ici, dcn) parallelism dicts: tensor t inside a host, expert e (dividing num_experts) filling the slice
+    after tensor and spilling across slices, fsdp over the rest (inside the slice first); data 1."""
+    slices = num_devices // per_slice
+    for t in (t for t in TENSOR if t <= per_host and per_slice % t == 0):
+        for e in (e for e in _powers_of_two(num_devices // t) if num_experts % e == 0):
+            ici_e = math.gcd(e, per_slice // t)
+            dcn_e = e // ici_e
+            ici_f = per_slice // (t * ici_e)
+            if slices % dcn_e:
+                continue
+            dcn_f = slices // dcn_e
+            yield ({"data": 1, "fsdp": ici_f, "expert": ici_e, "tensor": t},
+                   {"data": 1, "fsdp": dcn_f, "expert": dcn_e, "tensor": 1})
+
+
+def search(argv: list[str], top: int = 5) -> dict:
+    """The ranked candidates for the recipe `argv` (config path and overrides; gpu_profile required)."""
+    from MaxText.hardware import GPU_PROFILES, hosts_per_slice
+    from MaxText.plan import (HEADROOM, GIB, abstract_mesh, device_bytes, modelled_step, parameter_counts,
+                              planned_devices)
+    from MaxText.state import state_spec
+
+    base = load_config(argv)
+    if base.gpu_profile not in steptime.PROFILE_HARDWARE:
+        raise ConfigError(f"--search needs gpu_profile (one of {', '.join(steptime.PROFILE_HARDWARE)}): the "
+                          "hardware whose links and memory it ranks layouts by")
+    profile = GPU_PROFILES[base.gpu_profile]
+    n = planned_devices(base)
+    hbm = base.hbm_gib or profile.hbm_gib
+    per_slice = hosts_per_slice(profile, n) * profile.gpus_per_host
+    mesh0 = sharding.mesh_shape(base, n)
+    spec = state_spec(base, abstract_mesh(mesh0))  # traced once: shardings follow the logical rules
+    total = parameter_counts(base, spec.abstract["params"]).total
+    remats = [[]] + ([["remat_policy=full"]] if base.remat_policy != "full" else [])
+    found, tried = [], 0
+    for ici, dcn in meshes(n, per_slice, profile.gpus_per_host, base.num_experts):
+        layout = [f"{g}_{a}_parallelism={d[a]}" for g, d in (("ici", ici), ("dcn", dcn)) for a in AXES]
+        for batch in BATCHES:
+            for remat in remats:
+                overrides = (*layout, f"per_device_batch_size={batch}", *remat)
+                tried += 1
+                try:
+                    cfg = load_config([*argv, *overrides])
+                    shape = sharding.mesh_shape(cfg, n)
+                    memory, acts = device_bytes(cfg, spec, shape, n)
+                except ConfigError:
+                    continue
+                use = sum(memory.values()) / (hbm * GIB)
+                if use > HEADROOM:
+                    continue
+                st = modelled_step(cfg, shape, n, total, acts["host_offload"])
+                found.append(Candidate(overrides, {a: shape[a] for a in AXES}, use, st["step_s"],
+                                       st["tokens_per_s_per_gpu"], st["mfu"], st["bound"]))
+    found.sort(key=lambda c: -c.tokens_per_s_per_gpu)
+    return {"num_devices": n, "hardware": steptime.PROFILE_HARDWARE[base.gpu_profile], "hbm_gib": hbm,
+            "tried": tried, "fitting": len(found), "best": [c._asdict() for c in found[:top]]}
+
+
+def format_search(result: dict) -> str:
+    lines = [f"{result['tried']} layouts tried on {result['num_devices']} x {result['hardware']}, "
+             f"{result['fitting']} fit in {result['hbm_gib']:g} GiB; the fastest by the step-time model:"]
+    for i, c in enumerate(result["best"], 1):
+        mesh = " x ".join(f"{a} {c['mesh'][a]}" for a in AXES if c["mesh"][a] > 1)
+        lines.append(f"{i}. {c['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, step {c['step_s']:.2f} s, MFU "
+                     f"{c['mfu']:.0%}, bound by {c['bound']}, {c['hbm_use']:.0%} of HBM ({mesh})")
+        lines.append("   " + " ".join(c["overrides"]))
+    return "\n".join(lines)
