@@ -185,11 +185,6 @@ def _local(ici_members: int, ici_stride: int, group: int, domain: int) -> int:
     return 0 if inside >= group else inside
 
 
-def _strided_local(group: int, stride: int, domain: int) -> int:
-    """Members inside one NVLink domain of a group of ranks `stride` apart (0: all of them)."""
-    return 0 if group * stride <= domain else max(1, domain // stride)
-
-
 def _ring(bytes_: float, group: int, local: int, hw: Hardware) -> float:
     """Seconds of a ring all-gather / reduce-scatter of a `bytes_` buffer over `group` GPUs, `local` of them in
     each NVLink domain (0: all in one). Across domains NCCL runs one ring per rail, so a domain's `local`
@@ -284,7 +279,7 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
     dp = 0.0
     for params, group, stride in ((m.dense_params / (lay.tp * lay.pp), dense_dp, lay.tp),
                                   (m.expert_params / (lay.ep * lay.pp), expert_dp, lay.ep * lay.tp)):
-        local = _strided_local(group, stride * lay.fsdp, hw.nvlink_domain)
+        local = _local(group, stride * lay.fsdp, group, hw.nvlink_domain)  # all of the group is on ICI
         per = params * lay.grad_bytes
         dp += (_ring(per, group, local, hw) + _ring(params * lay.gather_bytes, group, local, hw)
                if lay.zero else 2 * _ring(per, group, local, hw))

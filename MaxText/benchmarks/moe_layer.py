@@ -65,6 +65,12 @@ def group_limited_routing(tokens: int, experts: int, top_k: int, groups: int, ke
     return chosen, rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
 
 
+def given_routing(weights_TK, experts_TK, num_experts: int) -> Routing:
+    """A Routing of these choices and weights, its losses and statistics zero (the layer reads only these two)."""
+    zero = jnp.zeros(())
+    return Routing(weights_TK, experts_TK, zero, zero, jnp.zeros((num_experts,)), zero)
+
+
 def timed(fn, *args, repeats: int) -> float:
     """Median wall seconds of fn(*args) after one warm-up (compile) call."""
     jax.block_until_ready(fn(*args))
@@ -99,7 +105,7 @@ def ep_rows(a, base, x, w, experts, weights) -> list[dict]:
             capacity = ep_lib.peer_capacity(t // devices, k, e, e // n, cfg.ragged_buffer_factor, dedup)
 
             def layer(x, weights_TK, wi_0, wi_1, wo, experts_TK, cfg=cfg, rules=rules):
-                routing = Routing(weights_TK, experts_TK, jnp.zeros(()), jnp.zeros(()), jnp.zeros((e,)), jnp.zeros(()))
+                routing = given_routing(weights_TK, experts_TK, e)
                 return MOE_FFNS["ragged"](x, routing, ExpertWeights(wi_0, wi_1, wo), cfg, rules)[0]
 
             loss = lambda *args, layer=layer: jnp.sum(layer(*args).astype(jnp.float32))  # noqa: E731
@@ -199,7 +205,7 @@ def main(argv=None) -> dict | int:
         cfg = load_config(base + [f"moe_impl={impl}", *extra])
 
         def run(x, weights_TK, wi_0, wi_1, wo, experts_TK, cfg=cfg, impl=impl):
-            routing = Routing(weights_TK, experts_TK, jnp.zeros(()), jnp.zeros(()), jnp.zeros((e,)), jnp.zeros(()))
+            routing = given_routing(weights_TK, experts_TK, e)
             return MOE_FFNS[impl](x, routing, ExpertWeights(wi_0, wi_1, wo), cfg)
 
         def layer(*args, run=run):

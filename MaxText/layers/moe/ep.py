@@ -52,11 +52,6 @@ class RankRows(NamedTuple):
     weights_TPJ: jax.Array  # [T, P, J], the router weights' dtype
 
 
-def slots_per_row(top_k: int, num_local_experts: int, dedup: bool) -> int:
-    """J: a row's (expert, weight) slots. A token's K experts are distinct, so at most min(K, E/N) share a device."""
-    return min(top_k, num_local_experts) if dedup else 1
-
-
 def peer_capacity(tokens: int, top_k: int, num_experts: int, num_local_experts: int, factor,
                   dedup: bool = True) -> Capacity:
     """What one device may send one peer. Slots: the dropless worst case tokens * min(K, E/N) (a token's K
@@ -79,7 +74,7 @@ def rank_rows(experts_TK, weights_TK, num_local_experts: int, num_peers: int, de
     local_TK = (experts_TK % num_local_experts).astype(jnp.int32)
     if not dedup:
         return RankRows(dest_TK, local_TK[:, :, None], weights_TK[:, :, None])
-    p, j = min(k, num_peers), slots_per_row(k, num_local_experts, True)
+    p, j = min(k, num_peers), min(k, num_local_experts)  # K distinct experts: at most min(K, E/N) on a device
     same_TKK = dest_TK[:, :, None] == dest_TK[:, None, :]
     earlier_KK = jnp.tril(jnp.ones((k, k), bool), -1)  # [k, k2]: k2 < k
     slot_TK = jnp.sum(same_TKK & earlier_KK, axis=2)  # earlier choices on the same device
