@@ -56,6 +56,14 @@ OPTIONAL_KEY_TYPES: dict[str, type] = {
     "sparse_matmul": bool,
     "decoder_block": str,
     "tokenizer_type": str,
+    "grain_train_files": str,
+    "grain_eval_files": str,
+    "hf_path": str,
+    "hf_name": str,
+    "hf_data_dir": str,
+    "hf_train_files": str,
+    "hf_eval_files": str,
+    "hf_eval_split": str,
 }
 
 # Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
@@ -81,7 +89,7 @@ REMAT_TENSOR_NAMES = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
-DATASET_TYPES = ("tfds", "synthetic")
+DATASET_TYPES = ("tfds", "grain", "hf", "synthetic")
 TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")

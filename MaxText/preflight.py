@@ -104,7 +104,8 @@ def check_data(cfg) -> list[Row]:
     problem = corpus_problem(cfg)
     if problem:
         return [Row("data", "fail", problem)]
-    name = cfg.dataset_name if cfg.dataset_type == "tfds" else "synthetic data"
+    name = {"tfds": cfg.dataset_name, "grain": f"grain over {cfg.grain_train_files}",
+            "hf": f"hf over {cfg.hf_train_files or cfg.hf_path}"}.get(cfg.dataset_type, "synthetic data")
     return [Row("data", "pass", f"{name}, tokenizer {cfg.tokenizer_path or 'byte-level'} (files checked at start-up)")]
 
 

@@ -92,6 +92,17 @@ GROUPS: tuple[Group, ...] = (
        "use_iota_embed max_position_embeddings max_segments_per_seq checkpoint_storage_use_ocdbt "
        "checkpoint_storage_use_zarr3 checkpoint_storage_target_data_file_size_bytes checkpoint_storage_concurrent_gb "
        "checkpoint_storage_device_host_concurrent_gb max_corpus_chars param_scan_axis enable_dropout"),
+    _g(NOOP, "a Grain reader tuning knob: this trainer's Grain reader shuffles by index over the whole split (no "
+             "shuffle buffer) and sizes its own buffers and threads",
+       "grain_per_worker_buffer_size grain_per_worker_buffer_size_eval grain_num_threads grain_num_threads_eval "
+       "grain_prefetch_buffer_size grain_prefetch_buffer_size_eval grain_ram_budget_mb grain_data_source_max_workers "
+       "grain_index_storage_option grain_shuffle_buffer_size"),
+    _g(REFUSED, "packing here always concatenates documents and splits them into rows (a document continues in "
+                "the next row; nothing is dropped or padded): upstream's concat_then_split; first_fit, "
+                "upstream's default, is accepted and packs the same way", "grain_packing_type",
+       ("first_fit", "concat_then_split")),
+    _g(REFUSED, "nothing is read from the Hugging Face hub here (local files only), so there is no token to use",
+       "hf_access_token"),
     _g(NOOP, "precision: this trainer always computes attention logits and softmax, the output logits, the router "
              "and the MoE combine in float32 (what these keys ask for when true; more precise than their false)",
        "float32_logits float32_qk_product cast_logits_to_fp32 logits_dot_in_fp32 float32_weight_sum "
@@ -161,11 +172,11 @@ GROUPS: tuple[Group, ...] = (
     _g(REFUSED, "this trainer's numerics are fixed here: gradients in weight_dtype (float32), XLA's default "
                 "matmul precision, a non-finite loss always stops the run",
        "grad_dtype matmul_precision abort_on_nan_loss abort_on_inf_loss"),
-    _g(REFUSED, "a data pipeline or input option this trainer does not have yet (its pipelines: tfds and "
-                "synthetic; Grain and Hugging Face datasets are planned)",
-       "hf_path hf_name hf_data_dir hf_train_files hf_eval_split hf_eval_files hf_access_token grain_* "
+    _g(REFUSED, "a data pipeline or input option this trainer does not have (its pipelines: tfds, grain over "
+                "ArrayRecord, hf over local files, synthetic; one corpus per run, packed continuously)",
+       "grain_train_mixture_config_path grain_use_elastic_iterator "
        "tokenize_train_data tokenize_eval_data use_truncation expansion_factor_real_data eval_per_device_batch_size "
-       "train_data_columns eval_data_columns packing use_stream_chunking num_epoch generate_padding_batch_train "
+       "packing use_stream_chunking num_epoch generate_padding_batch_train "
        "generate_padding_batch_eval eval_dataset_name mmap_* blend_cache_dir blend_index_dir reset_attention_mask "
        "eod_mask_loss packing_max_segments_per_sample olmo_* enable_data_shuffling train_shard_in_read "
        "train_interleave_cycle_length"),
@@ -262,10 +273,8 @@ REFUSED_VALUES = {
     ("attention_type", "block_diffusion"): "block-diffusion attention is not built here (mha or mla)",
     ("hardware", "tpu"): "this trainer targets NVIDIA GPUs (and runs on CPU); use hardware=gpu, "
                          "gpu_multiprocess, cpu or auto",
-    ("dataset_type", "hf"): "Hugging Face datasets are not a pipeline here yet (tfds, synthetic)",
-    ("dataset_type", "grain"): "Grain is not a pipeline here yet (tfds, synthetic)",
-    ("dataset_type", "c4_mlperf"): "the MLPerf C4 pipeline is not here (tfds, synthetic)",
-    ("dataset_type", "olmo_grain"): "the OLMo Grain pipeline is not here (tfds, synthetic)",
+    ("dataset_type", "c4_mlperf"): "the MLPerf C4 pipeline is not here (tfds, grain, hf, synthetic)",
+    ("dataset_type", "olmo_grain"): "the OLMo Grain pipeline is not here (tfds, grain, hf, synthetic)",
     ("profiler", "nsys"): "NVTX ranges and cudaProfilerStart/Stop are not emitted yet; use profiler=xplane, or run "
                           "the whole job under nsys profile",
     ("opt_type", "adam_pax"): "only adamw is built here",

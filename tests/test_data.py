@@ -140,7 +140,7 @@ def test_packing_matches_reference(data_dir, add_bos, add_eos):
     cfg = config(data_dir, f"add_bos={add_bos}", f"add_eos={add_eos}")
     it = make_data(cfg, global_batch=2)
     tokenizer = load_tokenizer(cfg)
-    order = list(it.epoch_texts(0))
+    order = list(it.epoch_records(0))
     assert nonempty(t.decode() for t in order) == nonempty(TRAIN_DOCS), "epoch 0 is not the train split"
     want = reference_rows([tokenizer.encode(t.decode()) for t in order], [1] * add_bos, [2] * add_eos)
     got = stacked(take(it, len(want["inputs"]) // 2))
@@ -182,7 +182,7 @@ def test_process_shards_are_disjoint_and_cover_the_split(data_dir):
             batches.append(next(it))
         assert batches[0]["inputs"].shape == (2, L), f"process {p} rows: {batches[0]['inputs'].shape}"
         docs = recovered_documents(stacked(batches), ByteTokenizer())
-        seen.append(collections.Counter(docs[:len(nonempty(t.decode() for t in it.epoch_texts(0)))]))
+        seen.append(collections.Counter(docs[:len(nonempty(t.decode() for t in it.epoch_records(0)))]))
     assert not set(seen[0]) & set(seen[1]), f"both processes read {set(seen[0]) & set(seen[1])}"
     assert seen[0] + seen[1] == nonempty(TRAIN_DOCS), "the two processes' documents are not the split"
 
@@ -196,8 +196,8 @@ def test_seeded_order(data_dir):
         for k in KEYS:
             np.testing.assert_array_equal(x[k], y[k], err_msg=f"batch {i} {k}: same seed, different batches")
     other = TfdsData(config(data_dir, "data_shuffle_seed=1"), 2)
-    assert list(other.epoch_texts(0)) != list(a.epoch_texts(0)), "data_shuffle_seed does not change the order"
-    assert list(a.epoch_texts(1)) != list(a.epoch_texts(0)), "epoch 1 repeats epoch 0's order"
+    assert list(other.epoch_records(0)) != list(a.epoch_records(0)), "data_shuffle_seed does not change the order"
+    assert list(a.epoch_records(1)) != list(a.epoch_records(0)), "epoch 1 repeats epoch 0's order"
 
 
 def test_resume_continues_exactly(data_dir):
@@ -287,7 +287,7 @@ def assert_round_trip_and_packing(cfg, tok, name):
     """tok decodes its own encoding, and the pipeline packs its ids like the reference packer."""
     assert tok.decode(tok.encode(TRAIN_DOCS[0])) == TRAIN_DOCS[0]
     it = TfdsData(cfg, 2)
-    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_texts(0)], [tok.bos_id], [tok.eos_id])
+    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_records(0)], [tok.bos_id], [tok.eos_id])
     got = stacked(take(it, 2))
     for k in KEYS:
         np.testing.assert_array_equal(got[k], want[k][:4], err_msg=f"{name} packing: {k}")

@@ -30,9 +30,15 @@ BYTE_LEVEL_MAX_VOCAB = 16 * 259
 def corpus_problem(cfg) -> str | None:
     """One line on what the config leaves unnamed for real text (dataset_name; a tokenizer for a large
     vocabulary), or None. Shared by the trainer's start-up check and the preflight's data row."""
-    if cfg.dataset_type != "tfds":
+    if cfg.dataset_type == "synthetic":
         return None
-    if cfg.dataset_name is None:
+    if cfg.dataset_type == "grain" and cfg.grain_train_files is None:
+        return ("grain_train_files is not set: dataset_type=grain reads ArrayRecord files you name, e.g. "
+                "grain_train_files=/data/c4/train-*.array_record (python -m MaxText.data.to_array_record writes them)")
+    if cfg.dataset_type == "hf" and cfg.hf_path is None and cfg.hf_train_files is None:
+        return ("hf_path and hf_train_files are not set: dataset_type=hf reads local files you name, e.g. "
+                "hf_path=parquet hf_train_files=/data/c4/train-*.parquet")
+    if cfg.dataset_type == "tfds" and cfg.dataset_name is None:
         return ("dataset_name is not set: this config (a GPU recipe) trains on a corpus you name, e.g. "
                 "dataset_name=c4/en:3.0.1 dataset_path=/data/tfds tokenizer_path=/data/tokenizer.json")
     if cfg.tokenizer_path is None and cfg.vocab_size > BYTE_LEVEL_MAX_VOCAB:
@@ -48,10 +54,18 @@ def validate(cfg) -> None:
     problem = corpus_problem(cfg)
     if problem:
         raise ConfigError(problem)
-    if cfg.dataset_type == "tfds":
-        from MaxText.data import tfds_data
+    if cfg.dataset_type != "synthetic":
+        pipeline_module(cfg.dataset_type).validate(cfg)
 
-        tfds_data.validate(cfg)
+
+def pipeline_module(dataset_type: str):
+    """The module of a document pipeline (tfds, grain, hf): its validate(cfg) and its PackedDocuments class."""
+    import importlib
+
+    return importlib.import_module(f"MaxText.data.{dataset_type}_data")
+
+
+PIPELINE_CLASSES = {"tfds": "TfdsData", "grain": "GrainData", "hf": "HfData"}
 
 
 def make_data(cfg, global_batch: int, process_index: int = 0, process_count: int = 1, *, split: str = "train",
@@ -63,6 +77,5 @@ def make_data(cfg, global_batch: int, process_index: int = 0, process_count: int
         from MaxText.data.synthetic import SyntheticData
 
         return SyntheticData(cfg, global_batch, process_index, process_count, split=split, state=state)
-    from MaxText.data.tfds_data import TfdsData
-
-    return TfdsData(cfg, global_batch, process_index, process_count, split=split, state=state)
+    cls = getattr(pipeline_module(cfg.dataset_type), PIPELINE_CLASSES[cfg.dataset_type])
+    return cls(cfg, global_batch, process_index, process_count, split=split, state=state)
