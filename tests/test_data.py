@@ -1,6 +1,7 @@
-"""The tfds pipeline on a tiny dataset built here: packing against an obviously-right reference packer,
-per-process sharding, seeded order, exact resumption, eval padding, the three tokenizers, the errors a user
-can cause, and the python_stdlib builder on a small fake standard library."""
+"""The document pipelines (tfds, grain, hf), one set of tests run on each over the same tiny corpus
+(tests/corpora.py): packing against an obviously-right reference packer, per-process sharding, seeded order,
+exact resumption (across epochs too), eval padding, the three tokenizers, the errors a user can cause; then
+tfds's own errors and the python_stdlib builder on a small fake standard library."""
 
 import collections
 import io
@@ -17,46 +18,24 @@ from MaxText.config import ConfigError
 from MaxText.data import make_data, python_stdlib, tfds_data, validate
 from MaxText.data.tfds_data import KEYS, TfdsData
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer
+from tests.corpora import EVAL_DOCS, L, PIPELINES, TRAIN_DOCS, Corpus, config_args, make_documents, tfds_builder_class, write  # noqa: F401
 from tests.tiny import tiny_config
 
-L = 16
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+MaxtextTestDocs = tfds_builder_class()  # registered with TFDS here, for the tests that import it from this module
 
 
-def make_documents(n: int, seed: int) -> list[str]:
-    """n distinct documents of 3 to ~80 bytes (most longer than a row of L), one empty, one non-ASCII."""
-    rng = np.random.default_rng(seed)
-    docs = [f"d{seed}.{i} " + " ".join(rng.choice(WORDS, rng.integers(0, 12))) for i in range(n - 2)]
-    return docs + ["", f"héllo wörld ✓ naïve {seed}"]
-
-
-TRAIN_DOCS, EVAL_DOCS = make_documents(30, 0), make_documents(8, 1)
-
-
-class MaxtextTestDocs(tfds.core.GeneratorBasedBuilder):
-    """TRAIN_DOCS as "train", EVAL_DOCS as "validation"."""
-
-    VERSION = tfds.core.Version("1.0.0")
-    code_path = None  # no checksums to look up (see python_stdlib.PythonStdlib)
-
-    def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-            {"text": tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-        return {"train": self._generate_examples(TRAIN_DOCS), "validation": self._generate_examples(EVAL_DOCS)}
-
-    def _generate_examples(self, docs):
-        for i, doc in enumerate(docs):
-            yield i, {"text": doc}
+@pytest.fixture(scope="module", params=PIPELINES)
+def corpus(request, tmp_path_factory) -> Corpus:
+    """The shared tiny corpus written for each document pipeline in turn: every test taking it runs on tfds,
+    grain and hf."""
+    return Corpus(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
+    """The corpus as a TFDS dataset (for the tfds-only tests)."""
     root = str(tmp_path_factory.mktemp("tfds"))
-    with python_stdlib.quiet_tfds():
-        # Three files per split, so that file shuffling and interleaving are part of every test.
-        MaxtextTestDocs(data_dir=root).download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=3))
+    write("tfds", root)
     return root
 
 
@@ -71,8 +50,18 @@ def no_network(monkeypatch):
 
 
 def config(data_dir, *overrides):
-    return tiny_config("dataset_type=tfds", "dataset_name=maxtext_test_docs", f"dataset_path={data_dir}",
-                       "vocab_size=259", f"max_target_length={L}", *overrides)
+    """The tfds corpus in data_dir."""
+    return tiny_config(*config_args("tfds", data_dir), *overrides)
+
+
+def texts(it, epoch: int) -> list[str]:
+    """The documents of epoch `epoch` of a pipeline's stream, in order, as text (pre-tokenized ones decoded)."""
+    out = []
+    for record in it.epoch_records(it.order_epoch(epoch)):
+        if isinstance(record, bytes):
+            record = record.decode("utf-8", errors="replace")
+        out.append(record if isinstance(record, str) else it.tokenizer.decode(record))
+    return out
 
 
 def take(it, n: int) -> list[dict]:
@@ -133,34 +122,38 @@ def one_line_error(match, fn, *args, **kwargs) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- packing
+# Every test taking `corpus` runs once per document pipeline (tfds, grain, hf) on the same documents.
 
 
 @pytest.mark.parametrize("add_bos,add_eos", [(True, True), (False, True), (True, False), (False, False)])
-def test_packing_matches_reference(data_dir, add_bos, add_eos):
-    cfg = config(data_dir, f"add_bos={add_bos}", f"add_eos={add_eos}")
+def test_packing_matches_reference(corpus, add_bos, add_eos):
+    cfg = corpus.config(f"add_bos={add_bos}", f"add_eos={add_eos}")
     it = make_data(cfg, global_batch=2)
     tokenizer = load_tokenizer(cfg)
-    order = list(it.epoch_records(0))
-    assert nonempty(t.decode() for t in order) == nonempty(TRAIN_DOCS), "epoch 0 is not the train split"
-    want = reference_rows([tokenizer.encode(t.decode()) for t in order], [1] * add_bos, [2] * add_eos)
+    order = texts(it, 0)
+    assert nonempty(order) == nonempty(TRAIN_DOCS), "epoch 0 is not the train split"
+    want = reference_rows([tokenizer.encode(t) for t in order], [1] * add_bos, [2] * add_eos)
     got = stacked(take(it, len(want["inputs"]) // 2))
     for k in KEYS:
-        np.testing.assert_array_equal(got[k], want[k][:len(got[k])], err_msg=f"{k} (add_bos={add_bos}, "
+        np.testing.assert_array_equal(got[k], want[k][:len(got[k])], err_msg=f"{corpus}: {k} (add_bos={add_bos}, "
                                       f"add_eos={add_eos}) differs from the reference packing")
 
 
-def test_packing_recovers_every_document_once(data_dir):
-    cfg = config(data_dir)
-    it = TfdsData(cfg, 4, 0, 1)
+def epoch_rows(it) -> dict[str, np.ndarray]:
+    """The rows of the batches an iterator returns while its state is in epoch 0."""
     batches = []
     while it.state()["epoch"] == 0:
         batches.append(next(it))
-    rows = stacked(batches)
+    return stacked(batches)
+
+
+def test_packing_recovers_every_document_once(corpus):
+    rows = epoch_rows(make_data(corpus.config(), 4))
     assert rows["inputs"].shape[1] == L and (rows["inputs_segmentation"] > 0).all(), "train rows hold padding"
     np.testing.assert_array_equal(rows["targets_segmentation"], rows["inputs_segmentation"])
     docs = recovered_documents(rows, ByteTokenizer())
     epoch0 = docs[:len(nonempty(TRAIN_DOCS))]
-    assert collections.Counter(epoch0) == nonempty(TRAIN_DOCS), "epoch 0 lost, repeated or altered documents"
+    assert collections.Counter(epoch0) == nonempty(TRAIN_DOCS), f"{corpus}: epoch 0 lost, repeated or altered documents"
     seg, pos, inp, tgt = (rows[k] for k in ("inputs_segmentation", "inputs_position", "inputs", "targets"))
     starts = np.ones_like(seg, bool)
     starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
@@ -172,37 +165,35 @@ def test_packing_recovers_every_document_once(data_dir):
     assert (tgt[:, :-1][ends_inside] == 2).all(), "a segment that ends inside a row does not end with EOS"
 
 
-def test_process_shards_are_disjoint_and_cover_the_split(data_dir):
-    cfg = config(data_dir)
+def test_process_shards_are_disjoint_and_cover_the_split(corpus):
+    cfg = corpus.config()
     seen = []
     for p in range(2):
-        it = TfdsData(cfg, 4, p, 2)
-        batches = []
-        while it.state()["epoch"] == 0:
-            batches.append(next(it))
-        assert batches[0]["inputs"].shape == (2, L), f"process {p} rows: {batches[0]['inputs'].shape}"
-        docs = recovered_documents(stacked(batches), ByteTokenizer())
-        seen.append(collections.Counter(docs[:len(nonempty(t.decode() for t in it.epoch_records(0)))]))
-    assert not set(seen[0]) & set(seen[1]), f"both processes read {set(seen[0]) & set(seen[1])}"
-    assert seen[0] + seen[1] == nonempty(TRAIN_DOCS), "the two processes' documents are not the split"
+        it = make_data(cfg, 4, p, 2)
+        rows = epoch_rows(it)
+        assert rows["inputs"].shape[1:] == (L,) and next(it)["inputs"].shape == (2, L), f"process {p} rows"
+        docs = recovered_documents(rows, ByteTokenizer())
+        seen.append(collections.Counter(docs[:len(nonempty(texts(it, 0)))]))
+    assert not set(seen[0]) & set(seen[1]), f"{corpus}: both processes read {set(seen[0]) & set(seen[1])}"
+    assert seen[0] + seen[1] == nonempty(TRAIN_DOCS), f"{corpus}: the two processes' documents are not the split"
 
 
 # ----------------------------------------------------------------------------------------------- order
 
 
-def test_seeded_order(data_dir):
-    a, b = (TfdsData(config(data_dir), 8) for _ in range(2))
+def test_seeded_order(corpus):
+    a, b = (make_data(corpus.config(), 8) for _ in range(2))
     for i, (x, y) in enumerate(zip(take(a, 12), take(b, 12))):  # ~1.3 epochs
         for k in KEYS:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=f"batch {i} {k}: same seed, different batches")
-    other = TfdsData(config(data_dir, "data_shuffle_seed=1"), 2)
-    assert list(other.epoch_records(0)) != list(a.epoch_records(0)), "data_shuffle_seed does not change the order"
-    assert list(a.epoch_records(1)) != list(a.epoch_records(0)), "epoch 1 repeats epoch 0's order"
+            np.testing.assert_array_equal(x[k], y[k], err_msg=f"{corpus} batch {i} {k}: same seed, different batches")
+    other = make_data(corpus.config("data_shuffle_seed=1"), 2)
+    assert texts(other, 0) != texts(a, 0), f"{corpus}: data_shuffle_seed does not change the order"
+    assert texts(a, 1) != texts(a, 0), f"{corpus}: epoch 1 repeats epoch 0's order"
 
 
-def test_resume_continues_exactly(data_dir):
-    cfg = config(data_dir)
-    it = TfdsData(cfg, 8)
+def test_resume_continues_exactly(corpus):
+    cfg = corpus.config()
+    it = make_data(cfg, 8)
     states, batches = [it.state()], []
     for _ in range(30):  # ~3 epochs
         batches.append(next(it))
@@ -210,27 +201,28 @@ def test_resume_continues_exactly(data_dir):
     mid_document = [i for i, s in enumerate(states[:-4]) if s["offset"] > 0]
     across_epochs = [i for i, s in enumerate(states[:-4]) if s["epoch"] == 0 and states[i + 1]["epoch"] == 1]
     later_epoch = [i for i, s in enumerate(states[:-4]) if s["epoch"] == 1]
-    cuts = {0, mid_document[0], across_epochs[0], later_epoch[0], later_epoch[-1]}
     assert mid_document and across_epochs and later_epoch, f"cut points not covered: {states}"
+    cuts = {0, mid_document[0], across_epochs[0], later_epoch[0], later_epoch[-1]}
     for cut in sorted(cuts):
         state = json.loads(json.dumps(states[cut]))
-        resumed = TfdsData(cfg, 8, state=state)
+        resumed = make_data(cfg, 8, state=state)
         for i in range(cut, cut + 4):
             got = next(resumed)
             for k in KEYS:
                 np.testing.assert_array_equal(got[k], batches[i][k],
-                                              err_msg=f"resumed at {states[cut]}: batch {i} {k} differs")
-            assert resumed.state() == states[i + 1], f"resumed at {states[cut]}: state after batch {i}"
+                                              err_msg=f"{corpus} resumed at {states[cut]}: batch {i} {k} differs")
+            assert resumed.state() == states[i + 1], f"{corpus} resumed at {states[cut]}: state after batch {i}"
 
 
 # ----------------------------------------------------------------------------------------------- eval
 
 
-def test_eval_is_fixed_then_padding(data_dir):
-    cfg = config(data_dir)
-    runs = [stacked(take(TfdsData(cfg, 2, split="eval"), 12)) for _ in range(2)]
+def test_eval_is_fixed_then_padding(corpus):
+    cfg = corpus.config()
+    runs = [stacked(take(make_data(cfg, 2, split="eval"), 12)) for _ in range(2)]
     for k in KEYS:
-        np.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=f"eval {k} differs between constructions")
+        np.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=f"{corpus}: eval {k} differs between "
+                                                                      "constructions")
     rows = runs[0]
     used = rows["inputs_segmentation"] > 0
     n = used.sum()
@@ -240,20 +232,18 @@ def test_eval_is_fixed_then_padding(data_dir):
     full_rows = n // L
     assert full_rows < len(rows["inputs"]) - 1, "12 eval batches did not exhaust the split; the test needs more"
     docs = recovered_documents({k: v[:full_rows + 1] for k, v in rows.items()}, ByteTokenizer())
-    assert collections.Counter(docs) == nonempty(EVAL_DOCS), "eval did not read the validation split once"
+    assert collections.Counter(docs) == nonempty(EVAL_DOCS), f"{corpus}: eval did not read the validation split once"
 
 
-def test_eval_steps_minus_one_reads_the_whole_split_once(data_dir):
+def test_eval_steps_minus_one_reads_the_whole_split_once(corpus):
     """eval_steps=-1 (MaxText's "the whole eval split"): the evaluator takes batches up to the first all-padding
     one: every eval document once, no padding batch."""
     from MaxText.train import _whole_split
 
-    cfg = config(data_dir, "eval_steps=-1")
-    batches = _whole_split(TfdsData(cfg, 2, split="eval"))
+    batches = _whole_split(make_data(corpus.config("eval_steps=-1"), 2, split="eval"))
     assert batches and all(b["targets_segmentation"].any() for b in batches)
-    rows = stacked(batches)
-    docs = recovered_documents(rows, ByteTokenizer())
-    assert collections.Counter(docs) == nonempty(EVAL_DOCS), "eval_steps=-1 did not read the validation split once"
+    docs = recovered_documents(stacked(batches), ByteTokenizer())
+    assert collections.Counter(docs) == nonempty(EVAL_DOCS), f"{corpus}: eval_steps=-1 did not read the split once"
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -268,7 +258,7 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == text
 
 
-def test_sentencepiece_tokenizer_packs(data_dir, tmp_path):
+def sentencepiece_model(tmp_path) -> str:
     import sentencepiece
 
     model = io.BytesIO()
@@ -277,17 +267,24 @@ def test_sentencepiece_tokenizer_packs(data_dir, tmp_path):
                                              hard_vocab_limit=False, minloglevel=2)
     path = tmp_path / "tiny.model"
     path.write_bytes(model.getvalue())
-    cfg = config(data_dir, f"tokenizer_path={path}")
+    return str(path)
+
+
+def test_sentencepiece_tokenizer_packs(corpus, tmp_path):
+    cfg = corpus.config(f"tokenizer_path={sentencepiece_model(tmp_path)}")
     tok = load_tokenizer(cfg)
     assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size <= 64
-    assert_round_trip_and_packing(cfg, tok, "SentencePiece")
+    assert_round_trip_and_packing(cfg, tok, f"{corpus} SentencePiece")
 
 
 def assert_round_trip_and_packing(cfg, tok, name):
     """tok decodes its own encoding, and the pipeline packs its ids like the reference packer."""
     assert tok.decode(tok.encode(TRAIN_DOCS[0])) == TRAIN_DOCS[0]
-    it = TfdsData(cfg, 2)
-    want = reference_rows([tok.encode(t.decode()) for t in it.epoch_records(0)], [tok.bos_id], [tok.eos_id])
+    it = make_data(cfg, 2)
+    # A pipeline that tokenizes while it reads (grain) hands over token arrays; the others, text.
+    tokens = [r if not isinstance(r, (str, bytes)) else tok.encode(r if isinstance(r, str) else r.decode())
+              for r in it.epoch_records(0)]
+    want = reference_rows(tokens, [tok.bos_id], [tok.eos_id])
     got = stacked(take(it, 2))
     for k in KEYS:
         np.testing.assert_array_equal(got[k], want[k][:4], err_msg=f"{name} packing: {k}")
@@ -305,11 +302,11 @@ def hf_tokenizer(tmp_path, specials=("<unk>", "<s>", "</s>")) -> str:
     return path
 
 
-def test_hugging_face_tokenizer_packs(data_dir, tmp_path):
-    cfg = config(data_dir, f"tokenizer_path={hf_tokenizer(tmp_path)}")
+def test_hugging_face_tokenizer_packs(corpus, tmp_path):
+    cfg = corpus.config(f"tokenizer_path={hf_tokenizer(tmp_path)}")
     tok = load_tokenizer(cfg)
     assert (tok.bos_id, tok.eos_id) == (1, 2), f"<s>/</s> not found: {tok.bos_id}, {tok.eos_id}"
-    assert_round_trip_and_packing(cfg, tok, "Hugging Face")
+    assert_round_trip_and_packing(cfg, tok, f"{corpus} Hugging Face")
 
 
 def test_hugging_face_tokenizer_without_bos(data_dir, tmp_path):
@@ -341,14 +338,58 @@ def test_unprepared_dataset_errors(data_dir, tmp_path, no_network):
                    config(tmp_path, "dataset_name=no_such_dataset_xyz"))
 
 
-def test_tokenizer_errors(data_dir, tmp_path):
+# What points each pipeline at files that are not there, and the key its error must name.
+MISSING = {"tfds": ("dataset_path={missing}", "dataset_name=maxtext_test_docs"),
+           "grain": ("grain_train_files={missing}/train-*.array_record", "grain_train_files="),
+           "hf": ("hf_train_files={missing}/train-*.parquet", "hf_train_files=")}
+
+
+def test_missing_files_error_in_one_line(corpus, tmp_path, no_network):
+    override, key = MISSING[corpus.kind]
+    missing = tmp_path / "nowhere"
+    msg = one_line_error(key, validate, corpus.config(override.format(missing=missing)))
+    assert str(missing) in msg, f"{corpus}: the error does not name the path: {msg}"
+
+
+def test_wrong_text_column_errors_in_one_line(corpus):
+    msg = one_line_error(r"train_data_columns=\[body\]", validate, corpus.config("train_data_columns=[body]"))
+    assert "text" in msg, f"{corpus}: the error does not list the columns there are: {msg}"
+    one_line_error(r"eval_data_columns=\[body\]", validate, corpus.config("eval_data_columns=[body]",
+                                                                          "eval_interval=10"))
+    validate(corpus.config("eval_data_columns=[body]", "eval_interval=-1"))  # no eval: its column is not needed
+    one_line_error("documents are read from one column", validate, corpus.config("train_data_columns=[text,body]"))
+
+
+def test_tokenizer_errors(corpus, tmp_path):
     missing = tmp_path / "missing.model"
-    one_line_error(f"tokenizer_path={missing} does not exist", validate, config(data_dir, f"tokenizer_path={missing}"))
+    one_line_error(f"tokenizer_path={missing} does not exist", validate, corpus.config(f"tokenizer_path={missing}"))
     other = tmp_path / "vocab.txt"
     other.write_text("a\n")
-    one_line_error("unknown tokenizer format", load_tokenizer, config(data_dir, f"tokenizer_path={other}"))
+    one_line_error("unknown tokenizer format", load_tokenizer, corpus.config(f"tokenizer_path={other}"))
     one_line_error(r"vocab_size=64 is smaller than the 259 ids .*; set vocab_size >= 259", validate,
-                   config(data_dir, "vocab_size=64"))
+                   corpus.config("vocab_size=64"))
+
+
+def test_empty_shard_errors_in_one_line(corpus, tmp_path):
+    """A file of the split with no records (an interrupted conversion, say) is named, not silently read past."""
+    if corpus.kind == "tfds":
+        pytest.skip("TFDS writes and checks its own shards")
+    import shutil
+
+    root = tmp_path / "corpus"
+    shutil.copytree(corpus.root, root)
+    suffix = "array_record" if corpus.kind == "grain" else "parquet"
+    empty = root / f"train-00003-of-00003.{suffix}"
+    if corpus.kind == "grain":
+        from tests.corpora import write_array_record
+        write_array_record(str(empty), [])
+    else:
+        from tests.corpora import write_parquet
+        write_parquet(str(empty), [])
+    moved = Corpus.__new__(Corpus)
+    moved.kind, moved.root = corpus.kind, str(root)
+    msg = one_line_error("", validate, moved.config())
+    assert str(empty) in msg, f"{corpus}: the error does not name the empty file: {msg}"
 
 
 def test_split_errors(data_dir):

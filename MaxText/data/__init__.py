@@ -27,6 +27,18 @@ def abstract_batch(global_batch: int, seq_len: int, sharding=None) -> dict:
 BYTE_LEVEL_MAX_VOCAB = 16 * 259
 
 
+def text_column(cfg, split: str = "train") -> str:
+    """The feature (column) holding each document: train_data_columns (eval: eval_data_columns), upstream's
+    keys, a list of one name here (a bare name is taken as that list)."""
+    key = "train_data_columns" if split == "train" else "eval_data_columns"
+    columns = cfg[key]
+    columns = [columns] if isinstance(columns, str) else list(columns)
+    if len(columns) != 1 or not isinstance(columns[0], str) or not columns[0]:
+        raise ConfigError(f"{key}={columns}: documents are read from one column here; give one name, e.g. "
+                          f"{key}=[text]")
+    return columns[0]
+
+
 def corpus_problem(cfg) -> str | None:
     """One line on what the config leaves unnamed for real text (dataset_name; a tokenizer for a large
     vocabulary), or None. Shared by the trainer's start-up check and the preflight's data row."""

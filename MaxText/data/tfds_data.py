@@ -3,7 +3,8 @@
 Reading. The data dir is `dataset_path`, or default_data_dir(). Nothing is downloaded at run time: a dataset
 must already be prepared there, except `python_stdlib` (MaxText/data/python_stdlib.py), which is built from
 local files the first time. Each process reads only its own part of the split, tfds.even_splits(split,
-process_count)[process_index], and only the "text" feature of each record.
+process_count)[process_index], and only the text feature of each record (train_data_columns / eval_data_columns,
+upstream's keys; default "text").
 
 Order. Epoch e reads this process's part with its files shuffled and then a SHUFFLE_BUFFER-document shuffle buffer, both seeded by (data_shuffle_seed, e,
 process_index), under tf.data's deterministic options: the same seed gives the same batches, run after run.
@@ -25,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 from MaxText.config import ConfigError  # noqa: E402
-from MaxText.data import BATCH_KEYS, python_stdlib  # noqa: E402  (python_stdlib registers its builder)
+from MaxText.data import BATCH_KEYS, python_stdlib, text_column  # noqa: E402  (python_stdlib registers its builder)
 from MaxText.data.packing import EVAL_EPOCH, PackedDocuments, epoch_seed  # noqa: E402,F401
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
@@ -50,8 +51,8 @@ def data_dir(cfg) -> str:
 
 
 def open_builder(cfg) -> tfds.core.DatasetBuilder:
-    """The prepared builder of cfg.dataset_name in data_dir(cfg) (python_stdlib: built when missing), with a
-    "text" feature. Never touches the network."""
+    """The prepared builder of cfg.dataset_name in data_dir(cfg) (python_stdlib: built when missing). Never
+    touches the network."""
     name, root = cfg.dataset_name, data_dir(cfg)
     fix = (f"nothing is downloaded at run time; prepare it with `tfds build {name} --data_dir {root}` on a "
            f"machine with network, or set dataset_path to the data dir that holds it")
@@ -70,10 +71,17 @@ def open_builder(cfg) -> tfds.core.DatasetBuilder:
             raise ConfigError(f"dataset_name={name} in dataset_path {root}: {reason[:300]}") from None
         if not prepared:
             raise ConfigError(f"dataset_name={name} is not prepared in dataset_path {root}; {fix}")
-    if "text" not in builder.info.features:
-        raise ConfigError(f"dataset_name={name} has no 'text' feature (it has {', '.join(builder.info.features)}); "
-                          f"use a text dataset")
     return builder
+
+
+def check_column(cfg, builder, split: str) -> str:
+    """The text column of `split` ("train" or "eval"), which the builder must have (ConfigError otherwise)."""
+    column = text_column(cfg, split)
+    if column not in builder.info.features:
+        key = "train_data_columns" if split == "train" else "eval_data_columns"
+        raise ConfigError(f"{key}=[{column}]: dataset_name={cfg.dataset_name} has no feature {column!r} (it has "
+                          f"{', '.join(builder.info.features)}); name its text feature")
+    return column
 
 
 def check_split(cfg, builder, key: str) -> None:
@@ -91,8 +99,10 @@ def validate(cfg) -> None:
     load_tokenizer(cfg)
     builder = open_builder(cfg)
     check_split(cfg, builder, "train_split")
+    check_column(cfg, builder, "train")
     if cfg.eval_interval != -1:
         check_split(cfg, builder, "eval_split")
+        check_column(cfg, builder, "eval")
 
 
 class TfdsData(PackedDocuments):
@@ -104,6 +114,7 @@ class TfdsData(PackedDocuments):
         self.builder = open_builder(cfg)
         key = "train_split" if self.train else "eval_split"
         check_split(cfg, self.builder, key)
+        self.column = check_column(cfg, self.builder, split)
         self.split = tfds.even_splits(cfg[key], n=process_count)[process_index]
 
     def source_name(self) -> str:
@@ -117,8 +128,8 @@ class TfdsData(PackedDocuments):
         read_config = tfds.ReadConfig(shuffle_seed=seed, try_autocache=False, options=options)
         with python_stdlib.quiet_tfds():
             ds = self.builder.as_dataset(split=self.split, shuffle_files=True, read_config=read_config,
-                                         decoders=tfds.decode.PartialDecoding({"text": True}))
-        ds = ds.map(lambda example: example["text"])
+                                         decoders=tfds.decode.PartialDecoding({self.column: True}))
+        ds = ds.map(lambda example: example[self.column])
         ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=False)
         # The skipped records are read (and pass through the shuffle buffer) but are not tokenized.
         return ds.skip(skip).prefetch(64).with_options(options).as_numpy_iterator()
