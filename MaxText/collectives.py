@@ -45,6 +45,8 @@ class Collective(NamedTuple):
     bytes: float       # per device, one execution (a reduce-scatter's: its input)
     group: int | None  # devices taking part (None: collective-permute, or unreadable)
     count: int         # executions per step (loop trips multiplied through)
+    axes: tuple = ()   # the mesh axes its groups span, as the module names them (() when it does not: a group
+                       # written as device lists, or over a shard_map's anonymous axis_0 of every device)
 
     @property
     def wire_bytes(self) -> float:
@@ -124,6 +126,13 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
     if any(i.op == "compare" and "direction=LT" in i.rest for i in body) and len(constants) == 1 and constants[0]:
         return int(constants[0].group(1))
     return None
+
+
+def _mesh_axes(rest: str) -> tuple[str, ...]:
+    """The named mesh axes of a `replica_groups=mesh[...] {...}` attribute (() otherwise, or for axis_0)."""
+    m = _MESH_GROUPS.search(rest)
+    named = tuple(re.findall(r"'([^']+)'", m.group(2))) if m else ()
+    return () if named == ("axis_0",) else named
 
 
 def _group_size(rest: str, num_devices: int) -> int | None:
@@ -206,7 +215,7 @@ def count_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective]
                 kind = "reduce-scatter"
             elif kind == "reduce-scatter":
                 size *= group or 1  # its input: the full buffer
-            found.append(Collective(kind, dtype, shape, size, group, runs))
+            found.append(Collective(kind, dtype, shape, size, group, runs, _mesh_axes(instr.rest)))
     return found, unknown_trips
 
 
@@ -223,11 +232,24 @@ def summarize(found: list[Collective]) -> dict[str, dict]:
     return out
 
 
+def by_group(found: list[Collective]) -> list[dict]:
+    """Per device per step, by (kind, mesh axes, group size): count, bytes and wire_bytes, JSON-ready; what
+    MaxText.steptime times link by link."""
+    out: dict[tuple, dict] = {}
+    for c in found:
+        s = out.setdefault((c.kind, c.axes, c.group), {"kind": c.kind, "axes": list(c.axes), "group": c.group,
+                                                       "count": 0, "bytes": 0.0, "wire_bytes": 0.0})
+        s["count"] += c.count
+        s["bytes"] += c.bytes * c.count
+        s["wire_bytes"] += c.wire_bytes * c.count
+    return sorted(out.values(), key=lambda s: (KINDS.index(s["kind"]), -s["bytes"]))
+
+
 def largest(found: list[Collective], n: int = 10) -> list[dict]:
     """The n collectives that move the most bytes per step, as JSON-ready dicts, identical ones merged."""
     merged: dict[tuple, int] = collections.Counter()
     for c in found:
         merged[c._replace(count=0)] += c.count
     top = sorted(merged.items(), key=lambda kv: -kv[0].bytes * kv[1])[:n]
-    return [{"kind": c.kind, "dtype": c.dtype, "shape": list(c.shape), "group": c.group, "count": count,
-             "bytes_per_step": c.bytes * count} for c, count in top]
+    return [{"kind": c.kind, "dtype": c.dtype, "shape": list(c.shape), "group": c.group, "axes": list(c.axes),
+             "count": count, "bytes_per_step": c.bytes * count} for c, count in top]

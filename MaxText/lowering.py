@@ -79,12 +79,12 @@ def lower_step(cfg, dump_dir: str | None = None) -> dict:
     partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt"))
                          ) if dump_dir else []
     if partitioned:
-        from MaxText.collectives import count_collectives, largest, summarize
+        from MaxText.collectives import by_group, count_collectives, largest, summarize
 
         with open(partitioned[-1]) as f:
             found, unknown_trips = count_collectives(f.read(), mesh.devices.size)
-        collectives = {"per_device_per_step": summarize(found), "largest": largest(found),
-                       "loops_with_unknown_trips": unknown_trips}
+        collectives = {"per_device_per_step": summarize(found), "by_group": by_group(found),
+                       "largest": largest(found), "loops_with_unknown_trips": unknown_trips}
     return {
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
         "collectives": collectives,

@@ -2,6 +2,11 @@
 
     python -m MaxText.plan --validate [--json]    # the step-time model against published runs
     python -m MaxText.plan <recipe.yml> --search [num_devices=N] [--json]   # the fastest layouts that fit
+    python -m MaxText.plan <recipe.yml> --collectives=lowering.json   # FSDP/DP/TP times from the compiled step
+
+--collectives takes MaxText.lowering's JSON for the same config (`python -m MaxText.lowering <recipe.yml> >
+lowering.json`, minutes on a laptop for a 128-GPU recipe): the step-time model then times the collectives the
+compiler put in the step, group by group, instead of its formulas (MaxText.steptime.module_comm).
 
 Nothing is allocated and no accelerator is needed: the parameters come from jax.eval_shape over the real
 model, their per-device bytes from the shardings the trainer would give them (on an abstract mesh of
@@ -354,9 +359,10 @@ def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
             "not fit (python -m MaxText.plan shows the parts)")
 
 
-def plan(cfg, hbm_gib: float | None = None) -> dict:
+def plan(cfg, hbm_gib: float | None = None, collectives: list[dict] | None = None) -> dict:
     """Everything the console table and --json show, in bytes per device unless named otherwise; the verdict
-    against hbm_gib, else cfg.hbm_gib, else the local device's memory."""
+    against hbm_gib, else cfg.hbm_gib, else the local device's memory. `collectives`: a lowering's
+    collectives.by_group, which the step-time model then uses."""
     num_devices = planned_devices(cfg)
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
     spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
@@ -384,19 +390,35 @@ def plan(cfg, hbm_gib: float | None = None) -> dict:
         "host_offload_bytes": acts["host_offload"],
         "hbm_gib": hbm,
         "verdict": verdict,
-        "step_time": modelled_step(cfg, mesh_shape, num_devices, counts.total, acts["host_offload"]),
+        "step_time": modelled_step(cfg, mesh_shape, num_devices, counts.total, acts["host_offload"], collectives),
     }
 
 
-def modelled_step(cfg, mesh_shape: dict, num_devices: int, total_params: float, offload_bytes: float) -> dict | None:
-    """MaxText.steptime for this config on its gpu_profile's hardware (None without a profile)."""
+def modelled_step(cfg, mesh_shape: dict, num_devices: int, total_params: float, offload_bytes: float,
+                  collectives: list[dict] | None = None) -> dict | None:
+    """MaxText.steptime for this config on its gpu_profile's hardware (None without a profile); with a
+    lowering's collectives.by_group, its FSDP, DP and TP collectives instead of the formulas'."""
     if cfg.gpu_profile not in steptime.PROFILE_HARDWARE:
         return None
     hw = steptime.HARDWARE[steptime.PROFILE_HARDWARE[cfg.gpu_profile]]
     layout = steptime.layout_from_config(cfg, mesh_shape, num_devices, offload_bytes)
-    got = steptime.step_time(steptime.Model.from_config(cfg, total_params), layout, hw)
+    comm = None if collectives is None else steptime.module_comm(cfg, mesh_shape, collectives, hw)
+    got = steptime.step_time(steptime.Model.from_config(cfg, total_params), layout, hw, comm)
     tflops = model_flops_per_token(cfg) * got["tokens_per_s_per_gpu"] / 1e12
-    return got | {"hardware": hw.name, "tflops_per_gpu": tflops, "mfu": tflops / hw.bf16_tflops}
+    return got | {"hardware": hw.name, "tflops_per_gpu": tflops, "mfu": tflops / hw.bf16_tflops,
+                  "collectives_from": "formulas" if collectives is None else "compiled module"}
+
+
+def read_collectives(path: str) -> list[dict]:
+    """collectives.by_group of MaxText.lowering's JSON output at path (ConfigError naming the file otherwise)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip().splitlines()
+        by_group = json.loads(text[-1])["collectives"]["by_group"]
+    except (OSError, IndexError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--collectives={path}: not the JSON of `python -m MaxText.lowering <config> > FILE` "
+                          f"with collectives counted ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+    return by_group
 
 
 def format_table(p: dict) -> str:
@@ -433,7 +455,8 @@ def format_table(p: dict) -> str:
     if st is None:
         lines.append("\nstep time: set gpu_profile (" + ", ".join(steptime.PROFILE_HARDWARE) + ") for the model's")
         return "\n".join(lines)
-    lines += ["", f"step time (MaxText.steptime on {st['hardware']})      s"]
+    lines += ["", f"step time (MaxText.steptime on {st['hardware']}; collectives from the {st['collectives_from']})"
+                  f"      s"]
     for name, value in st["compute_s"].items():
         lines.append(f"  {name:<20} {value:>10.2f}")
     for name, value in st["comm_s"].items():
@@ -471,8 +494,9 @@ def main(argv=None) -> int:
             result = search([a for a in argv if a != "--search"])
             print(json.dumps(result, indent=2) if as_json else format_search(result))
             return 0
-        cfg = load_config(argv)
-        result = plan(cfg)
+        given = [a for a in argv if a.startswith("--collectives=")]
+        cfg = load_config([a for a in argv if a not in given])
+        result = plan(cfg, collectives=read_collectives(given[-1].split("=", 1)[1]) if given else None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,8 +13,10 @@ hidden units over tensor parallelism, experts over expert parallelism):
   comm      each collective's bytes over the slowest link its group crosses: NVLink inside an NVLink domain,
             the GPU's scale-out NIC across domains. EP all-to-all with the rows the dispatch really sends (one
             per token and destination GPU, or per destination node where the dispatch forwards inside the node
-            over NVLink), TP all-reduces, FSDP all-gathers and reduce-scatters, data-parallel gradient
-            reduction, host offload over PCIe / NVLink-C2C.
+            over NVLink), TP all-reduces, FSDP all-gathers and reduce-scatters (the volumes this trainer's
+            compiled step has: fsdp_collective_bytes, held to the module by tests/test_collectives.py),
+            data-parallel gradient reduction, host offload over PCIe / NVLink-C2C. Given a lowering's
+            collectives (module_comm), the module's own FSDP, DP and TP groups replace those formulas.
   overlap   each collective kind runs a stated fraction under compute (OVERLAP, EP_OVERLAP: assumptions per
             mechanism, the same in every case, never tuned per case); the rest is exposed, and so is any
             overlapped communication beyond the compute time.
@@ -112,6 +114,9 @@ class Layout(NamedTuple):
     grad_bytes: float = 4.0         # gradient reduction dtype
     gather_bytes: float = 2.0       # FSDP / ZeRO parameter all-gather dtype
     offload_bytes: float = 0.0      # host offload per GPU per step, each way
+    vocab_tiles: int = 1            # num_vocab_tiling: the head is gathered per tile, forward and backward
+    expert_regather: bool = True    # the backward gathers the expert weights again (any remat; not with none)
+    dispatch_recompute: bool = False  # the backward redoes the EP dispatch (moe_dispatch rematerialised)
 
 
 def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
@@ -134,7 +139,10 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
-        gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes)
+        gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
+        vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
+        dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom"
+                                                           and cfg.moe_dispatch == "remat"))
 
 
 # The named matmul outputs (config.py's remat names) by kind of FLOPs.
@@ -210,6 +218,9 @@ class Model(NamedTuple):
     groups: int | None
     keep: int | None
     layers: int
+    head_params: float = 0.0    # the output head (D x V; 0 when the logits use the embedding)
+    embed_params: float = 0.0   # the token embedding (looked up where it lies: never gathered)
+    head_uses: int = 1          # output heads computed per step (the main one, and one per MTP depth)
 
     @classmethod
     def from_config(cls, cfg, total_params: float) -> "Model":
@@ -220,12 +231,56 @@ class Model(NamedTuple):
         grouped = moe_layers * k * 2 * 3 * d * f if cfg.num_experts > 1 else 0.0
         dense = model_flops_per_token(cfg) / 3 - attention - grouped
         expert_params = moe_layers * cfg.num_experts * 3 * d * f if cfg.num_experts > 1 else 0.0
+        head = 0.0 if cfg.logits_via_embedding else d * cfg.vocab_size
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
-                   cfg.base_num_decoder_layers + cfg.mtp_num_layers)
+                   cfg.base_num_decoder_layers + cfg.mtp_num_layers, head, d * cfg.vocab_size,
+                   1 + cfg.mtp_num_layers)
 
 
-def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
+def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
+    """This trainer's FSDP weight collectives per GPU per step, as buffer bytes (an all-gather's result, a
+    reduce-scatter's input: what MaxText.collectives counts in the compiled module), for the dense weights
+    (gathered over fsdp_dense) and the routed experts' (over fsdp). Read off the partitioned module (tests hold
+    the two within 10%):
+      dense layers  gathered twice in the compute dtype (the backward gathers again, even with remat_policy=none:
+                    XLA re-gathers rather than keep a gathered copy); gradients reduce-scattered once, in the
+                    compute dtype;
+      output head   gathered once per head (the main one and each MTP depth's), or, with vocab tiling, once per
+                    tile forward and again per tile in the backward (each tile is recomputed); its gradient
+                    reduce-scattered per tile, in float32 (the logits' precision);
+      experts       gathered forward and, unless remat_policy=none, again for the backward; gradients
+                    reduce-scattered once in grad_bytes (float32 master weights);
+      embedding     never gathered: each device looks up the rows it holds."""
+    out = {}
+    if (lay.fsdp_dense or lay.fsdp) > 1:
+        layers = (m.dense_params - m.head_params - m.embed_params) / lay.tp
+        head = m.head_params / lay.tp * m.head_uses
+        head_gathers = 1 if lay.vocab_tiles == 1 else 2 * lay.vocab_tiles
+        out["dense"] = {"all-gather": lay.gather_bytes * (2 * layers + head_gathers * head),
+                        "reduce-scatter": lay.gather_bytes * layers + 4.0 * lay.vocab_tiles * head}
+    if lay.fsdp > 1:
+        experts = m.expert_params / lay.ep
+        out["expert"] = {"all-gather": lay.gather_bytes * (1 + lay.expert_regather) * experts,
+                         "reduce-scatter": lay.grad_bytes * experts}
+    return out
+
+
+def ep_exchange_bytes(m: Model, lay: Layout, rows_per_peer: int, slots_per_row: int) -> float:
+    """Per GPU per step, the EP all-to-all buffers ep.py's exchange moves where the platform has no ragged
+    all-to-all (XLA:CPU: fixed buffers of rows_per_peer rows to every peer): per MoE layer, the rows out and
+    back, forward and in the backward (4), once more where the dispatch is rematerialised; the float32 payload
+    of (expert, weight) pairs per slot forward and backward, once more under any remat. On GPU the exchange is
+    ragged and moves the rows the routing sends (step_time's ep term counts the same exchanges)."""
+    if lay.ep <= 1:
+        return 0.0
+    rows = lay.ep * rows_per_peer * m.moe_layers
+    x = rows * m.emb * lay.dispatch_bytes * (4 + lay.dispatch_recompute)
+    payload = rows * 2 * slots_per_row * 4.0 * (2 + lay.expert_regather)
+    return x + payload
+
+
+def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
     """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
     tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
     def peak(precision):
@@ -268,13 +323,10 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
         # sequence-parallel reduce-scatter + all-gather around attention and the MLP, forward and backward
         # (a stage's layers/pp layers over its replica's tokens x tp x pp: per GPU, all layers over tokens x tp)
         comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, 0, hw)
-    if fsdp_dense > 1 or lay.fsdp > 1:
-        gathers = 2 + (1 if lay.recompute > 0 else 0)  # forward, backward, and the recomputed forward
-        fsdp = 0.0
-        for needed, group, local in ((m.dense_params / lay.tp, fsdp_dense, lay.fsdp_dense_local),
-                                     (m.expert_params / lay.ep, lay.fsdp, lay.fsdp_local)):
-            fsdp += (gathers * _ring(needed * lay.gather_bytes, group, local, hw)
-                     + _ring(needed * lay.grad_bytes, group, local, hw))
+    links = {"dense": (fsdp_dense, lay.fsdp_dense_local), "expert": (lay.fsdp, lay.fsdp_local)}
+    fsdp = sum(_ring(b, *links[part], hw) for part, kinds in fsdp_collective_bytes(m, lay).items()
+               for b in kinds.values())
+    if fsdp:
         comm["fsdp"] = fsdp
     dp = 0.0
     for params, group, stride in ((m.dense_params / (lay.tp * lay.pp), dense_dp, lay.tp),
@@ -287,6 +339,8 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
         comm["dp"] = dp
     if lay.offload_bytes:
         comm["offload"] = 2 * lay.offload_bytes / (hw.host_gbps * 1e9)
+    if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'
+        comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp")} | module_comm
 
     overlap = OVERLAP | {"ep": EP_OVERLAP[lay.ep_overlap]}
     hidden = sum(v * overlap[kind] for kind, v in comm.items())
@@ -298,6 +352,31 @@ def step_time(m: Model, lay: Layout, hw: Hardware) -> dict:
     return {"compute_s": t, "comm_s": comm, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
             "tokens_per_s_per_gpu": lay.global_batch * lay.seq / lay.devices / step,
             "bound": max(terms, key=terms.get)}
+
+
+def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> dict[str, float]:
+    """Seconds per step of a compiled module's collectives (MaxText.lowering's collectives.by_group), by the
+    step-time term they belong to: a group spanning `tensor` is tp; one over `data` alone, dp; the rest of the
+    all-gathers, reduce-scatters and all-reduces (FSDP's weights and gradients, small statistics) fsdp. Each
+    crosses the slowest link of its group, as in the formulas. The EP all-to-all stays the routing's (on CPU the
+    module's is fixed buffers; under NCCL EP it is inside TE's kernels)."""
+    domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
+    axes_order = [a for a in ("data", "fsdp", "expert", "tensor") if mesh_shape.get(a, 1) > 1]
+
+    def ici(name):
+        return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
+
+    out: dict[str, float] = {}
+    for g in by_group:
+        axes = [a for a in (g["axes"] or axes_order) if a in mesh_shape]  # () in the module: every device
+        if g["kind"] == "all-to-all" and axes == ["expert"] or not g["group"] or g["group"] <= 1:
+            continue
+        inner = [a for a in axes_order[axes_order.index(axes[-1]) + 1:] if a not in axes] if axes else []
+        local = _local(math.prod(ici(a) for a in axes), math.prod(ici(a) for a in inner), g["group"], domain)
+        term = "tp" if "tensor" in axes else "dp" if set(axes) <= {"data"} else "fsdp"
+        seconds = _ring(g["bytes"], g["group"], local, hw) * (2 if g["kind"] == "all-reduce" else 1)
+        out[term] = out.get(term, 0.0) + seconds
+    return out
 
 
 class Published(NamedTuple):

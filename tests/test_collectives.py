@@ -85,19 +85,34 @@ def test_a_loop_with_an_unreadable_trip_count_is_reported():
     assert unknown == 1 and summarize(found)["all-to-all"]["count"] == 1
 
 
-@pytest.fixture(scope="module")
-def tiny_deepseek_lowered():
-    """The tiny DeepSeek (MLA, group-limited routing, MTP) lowered on 8 CPU devices, fsdp 4 x expert 2, bf16
-    compute, logits in 4 tiles: MaxText.lowering's JSON."""
-    argv = ["configs/base.yml", "model_name=deepseek3-tiny", "num_devices=8", "ici_fsdp_parallelism=4",
-            "ici_expert_parallelism=2", "moe_impl=ragged", "num_vocab_tiling=4", "dtype=bfloat16",
-            "dataset_type=synthetic", "max_target_length=64", "per_device_batch_size=2"]
+TINY_DEEPSEEK = ["configs/base.yml", "model_name=deepseek3-tiny", "num_devices=8", "moe_impl=ragged", "dtype=bfloat16",
+                 "dataset_type=synthetic", "max_target_length=64", "per_device_batch_size=2"]
+# Two scaled-down layouts: fsdp 4 x expert 2, logits in 4 tiles, full remat (the default); and fsdp 2 x expert 4,
+# untiled logits, minimal remat.
+FSDP4_EP2 = TINY_DEEPSEEK + ["ici_fsdp_parallelism=4", "ici_expert_parallelism=2", "num_vocab_tiling=4"]
+FSDP2_EP4 = TINY_DEEPSEEK + ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "remat_policy=minimal"]
+
+
+def lowered(argv) -> dict:
+    """MaxText.lowering's JSON for argv, in its own process."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     done = subprocess.run([sys.executable, "-m", "MaxText.lowering", *argv], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["collectives"], result
     return result
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_lowered():
+    """The tiny DeepSeek (MLA, group-limited routing, MTP) lowered on 8 CPU devices, fsdp 4 x expert 2, bf16
+    compute, logits in 4 tiles: MaxText.lowering's JSON."""
+    return lowered(FSDP4_EP2)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_ep4_lowered():
+    return lowered(FSDP2_EP4)
 
 
 def test_weights_are_gathered_in_the_compute_dtype(tiny_deepseek_lowered):
@@ -120,3 +135,44 @@ def test_no_collective_spans_every_token(tiny_deepseek_lowered):
         assert c["shape"][0] != tokens, c
         assert not (c["kind"] == "all-reduce" and c["shape"][-1] == vocab), c
     assert collectives["per_device_per_step"]["all-reduce"]["bytes"] < 64 * 1024, collectives
+
+
+@pytest.mark.parametrize("argv,fixture", [(FSDP4_EP2, "tiny_deepseek_lowered"),
+                                          (FSDP2_EP4, "tiny_deepseek_ep4_lowered")], ids=["fsdp4_ep2", "fsdp2_ep4"])
+def test_the_step_time_formulas_count_what_the_compiler_emits(argv, fixture, request):
+    """MaxText.steptime's volumes against the partitioned module, per device per step, within 10%: the FSDP
+    all-gathers and reduce-scatters (weights per pass, the head per vocab tile, the gradient dtypes), and the EP
+    exchange (XLA:CPU's fixed buffers: rows per peer x peers, its exchanges per layer under each remat policy);
+    then the step-time model timing the module's groups agrees with its own formula."""
+    from MaxText import plan, steptime
+    from MaxText.config import load_config
+    from MaxText.layers.moe.ep import peer_capacity
+
+    result = request.getfixturevalue(fixture)
+    cfg = load_config(argv)
+    mesh_shape = result["mesh"]
+    layout = steptime.layout_from_config(cfg, mesh_shape, 8)
+    model = steptime.Model.from_config(cfg, plan.parameter_counts(cfg).total)
+    module = result["collectives"]["per_device_per_step"]
+    formula = steptime.fsdp_collective_bytes(model, layout)
+    for kind in ("all-gather", "reduce-scatter"):
+        want = sum(part[kind] for part in formula.values())
+        assert abs(want / module[kind]["bytes"] - 1) < 0.10, (kind, want, module[kind])
+    ep, e, k = mesh_shape["expert"], cfg.num_experts, cfg.num_experts_per_tok
+    tokens = int(cfg.per_device_batch_size) * cfg.max_target_length
+    rows = peer_capacity(tokens, k, e, e // ep, cfg.ragged_buffer_factor, cfg.ep_dedup).rows
+    exchange = steptime.ep_exchange_bytes(model, layout, rows, min(k, e // ep))
+    found = sum(g["bytes"] for g in result["collectives"]["by_group"] if g["kind"] == "all-to-all"
+                and g["axes"] == ["expert"])
+    assert abs(exchange / found - 1) < 0.10, (exchange, found)
+
+    # Timed group by group, the module's weight collectives take what the formula's take; everything the module
+    # has (activation reshards, statistics' all-reduces too) takes longer, never less.
+    hw = steptime.HARDWARE["h100"]
+    by_group = result["collectives"]["by_group"]
+    weights = [g for g in by_group if g["kind"] in ("all-gather", "reduce-scatter")]
+    timed = steptime.module_comm(cfg, mesh_shape, weights, hw)
+    everything = steptime.module_comm(cfg, mesh_shape, by_group, hw)
+    own = steptime.step_time(model, layout, hw)["comm_s"]
+    assert set(timed) == {"fsdp"} and abs(timed["fsdp"] / own["fsdp"] - 1) < 0.10, (timed, own)
+    assert set(everything) == {"fsdp"} and everything["fsdp"] >= timed["fsdp"], everything

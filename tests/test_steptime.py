@@ -109,7 +109,7 @@ def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
     assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
     assert plan.main([GB200_RECIPE]) == 0
     table = capsys.readouterr().out
-    assert "step time (MaxText.steptime on gb200)" in table and "tokens/s/GPU" in table, table
+    assert "step time (MaxText.steptime on gb200; collectives from the formulas)" in table and "tokens/s/GPU" in table, table
     assert plan.main(["--validate"]) == 0
     assert "DeepSeek-V3 pre-training, 2048 H800" in capsys.readouterr().out
 
@@ -151,3 +151,34 @@ def test_search_ranks_fitting_layouts_and_the_recipes_are_near_the_best():
     old = plan.plan(load_config([recipe, "dcn_fsdp_parallelism=32", "dcn_expert_parallelism=1",
                                  "per_device_batch_size=1"]))["step_time"]
     assert shipped > 3 * old["tokens_per_s_per_gpu"] and old["bound"] == "fsdp", old
+
+
+def test_plan_times_a_lowerings_collectives_group_by_group(tmp_path, capsys):
+    """--collectives=FILE (MaxText.lowering's JSON): the GB200 recipe's FSDP volumes written as the module would
+    group them time as the formula does; doubling them moves the fsdp term accordingly; a file that is not a
+    lowering's JSON is one error line."""
+    import json
+
+    cfg = load_config([GB200_RECIPE])
+    mesh_shape = plan.sharding.mesh_shape(cfg, cfg.num_devices)
+    layout = steptime.layout_from_config(cfg, mesh_shape, cfg.num_devices)
+    model = steptime.Model.from_config(cfg, plan.parameter_counts(cfg).total)
+    axes = {"dense": (["fsdp", "expert"], layout.fsdp_dense), "expert": (["fsdp"], layout.fsdp)}
+    by_group = [{"kind": kind, "axes": axes[part][0], "group": axes[part][1], "count": 1, "bytes": b}
+                for part, kinds in steptime.fsdp_collective_bytes(model, layout).items() for kind, b in kinds.items()]
+    path = tmp_path / "lowering.json"
+    path.write_text("lowering log line\n" + json.dumps({"ok": True, "collectives": {"by_group": by_group}}))
+    assert plan.main([GB200_RECIPE, f"--collectives={path}", "--json"]) == 0
+    module = json.loads(capsys.readouterr().out)["step_time"]
+    formula = plan.plan(cfg)["step_time"]
+    assert module["collectives_from"] == "compiled module" and formula["collectives_from"] == "formulas"
+    assert module["comm_s"]["fsdp"] == pytest.approx(formula["comm_s"]["fsdp"], rel=1e-9)
+    assert module["comm_s"]["ep"] == formula["comm_s"]["ep"]  # the EP exchange stays the routing's
+    doubled = steptime.module_comm(cfg, mesh_shape, [g | {"bytes": 2 * g["bytes"]} for g in by_group],
+                                   steptime.HARDWARE["gb200"])
+    assert doubled["fsdp"] == pytest.approx(2 * formula["comm_s"]["fsdp"], rel=1e-9)
+
+    path.write_text('{"ok": false, "error": "boom"}')
+    assert plan.main([GB200_RECIPE, f"--collectives={path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --collectives={path}: not the JSON") and "\n" not in err, err
