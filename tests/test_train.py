@@ -192,10 +192,16 @@ class _Recorder:
         return self.data.state()
 
 
-def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_path, monkeypatch):
-    """Real text (python_stdlib, packed): a run stopped after a checkpoint and resumed feeds the model the same
-    token batches, element for element, as the uninterrupted run, and so reaches the same losses."""
+@pytest.mark.parametrize("pipeline", ["tfds", "grain", "hf"])
+def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_path, monkeypatch, pipeline):
+    """Real text, packed, through each document pipeline (tfds: python_stdlib; grain and hf: the shared test
+    corpus, read over several epochs): a run stopped after a checkpoint and resumed feeds the model the same
+    token batches, element for element, as the uninterrupted run, and so reaches the same losses; every
+    checkpoint holds the input position."""
+    import json
     import shutil
+
+    from tests import corpora
 
     from MaxText import data as data_lib
 
@@ -207,8 +213,13 @@ def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_pa
         return _Recorder(data, seen) if kwargs.get("split", "train") == "train" else data
 
     monkeypatch.setattr(data_lib, "make_data", recording_make_data)
-    text = ["dataset_type=tfds", "dataset_name=python_stdlib", "vocab_size=512", "max_target_length=32",
-            "checkpoint_period=2", "steps=4", "learning_rate_schedule_steps=4"]
+    if pipeline == "tfds":
+        source = ["dataset_type=tfds", "dataset_name=python_stdlib"]
+    else:
+        corpora.write(pipeline, str(tmp_path / "corpus"))
+        source = corpora.config_args(pipeline, str(tmp_path / "corpus"))
+    text = [*source, "vocab_size=512", "max_target_length=32", "checkpoint_period=2", "steps=4",
+            "learning_rate_schedule_steps=4"]
     full = run(tmp_path, "run_name=full", *text)
     full_batches, seen[:] = list(seen), []
     assert len(full_batches) == 4 and all(b["inputs"].shape == (16, 32) for b in full_batches)
@@ -223,6 +234,10 @@ def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_pa
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"step {step}: {key}")
     np.testing.assert_allclose(losses(resumed), losses(full)[2:], rtol=1e-6)
+    for step in (2, 4):
+        with open(tmp_path / "resumed" / "checkpoints" / str(step) / "input" / "metadata") as f:
+            saved = json.load(f)
+        assert saved["process_count"] == 1 and set(saved["positions"][0]) == {"epoch", "document", "offset"}, saved
 
 
 def test_mu_dtype_keeps_the_first_moment_in_bf16_and_resumes_an_fp32_checkpoint(tmp_path, uninterrupted):

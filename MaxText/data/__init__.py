@@ -39,6 +39,21 @@ def text_column(cfg, split: str = "train") -> str:
     return columns[0]
 
 
+def glob_files(patterns: str, base: str | None = None) -> tuple[list[str], str | None]:
+    """The files of comma-separated globs (relative ones under `base`; ~ expanded), absolute, sorted and
+    deduplicated; and the first pattern that matched no file (None when each matched)."""
+    import glob
+    import os
+
+    files, unmatched = set(), None
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        full = os.path.join(base or "", os.path.expanduser(pattern))
+        found = [f for f in glob.glob(full, recursive=True) if os.path.isfile(f)]
+        unmatched = unmatched or (None if found else full)
+        files.update(os.path.abspath(f) for f in found)
+    return sorted(files), unmatched
+
+
 def corpus_problem(cfg) -> str | None:
     """One line on what the config leaves unnamed for real text (dataset_name; a tokenizer for a large
     vocabulary), or None. Shared by the trainer's start-up check and the preflight's data row."""
