@@ -36,3 +36,36 @@ def test_two_processes_train_together_like_one(tmp_path):
     np.testing.assert_allclose(losses(records), one, rtol=2e-5)
     with open(tmp_path / "two" / "checkpoints" / "4" / "input" / "metadata") as f:
         assert json.load(f) == {"process_count": 2, "positions": [{"batches": 4}, {"batches": 4}]}
+
+
+def test_two_processes_each_read_their_own_shard_of_a_grain_corpus(tmp_path):
+    """Real files across processes: two processes train on ArrayRecord files through Grain (with its default
+    worker process each) and checkpoint the position each reached; each is exactly where that process's shard,
+    read in this process, is after the same batches. (Every pipeline's shards are disjoint and cover the split:
+    tests/test_data.py.)"""
+    from MaxText.data import make_data
+    from tests import corpora
+    from tests.tiny import args as merged
+
+    corpus = str(tmp_path / "corpus")
+    corpora.write("grain", corpus)
+    source = [a for a in corpora.config_args("grain", corpus) if not a.startswith("grain_worker_count=")]
+    argv = merged(TINY, source, ["vocab_size=259", f"base_output_directory={tmp_path}", "steps=2",
+                                 "checkpoint_period=2", "learning_rate_schedule_steps=2", "run_name=two"])
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "--local", "2",
+                             os.path.join(ROOT, "configs", "base.yml"), *argv],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(tmp_path / "two" / "checkpoints" / "2" / "input" / "metadata") as f:
+        saved = json.load(f)
+    cfg = load_config(argv + ["grain_worker_count=0"])
+    global_batch = 8 * int(cfg.per_device_batch_size)
+    want = []
+    for p in range(2):
+        it = make_data(cfg, global_batch, p, 2)
+        next(it), next(it)
+        want.append(it.state())
+    assert saved == {"process_count": 2, "positions": want}, saved
+    assert want[0] != want[1]
