@@ -80,9 +80,9 @@ def parquet_source(source: str, column: str) -> tuple[int, object]:
 def tfds_source(name: str, split: str, column: str, data_dir: str | None) -> tuple[int, object]:
     """(number of documents, an iterator over them) of a prepared TFDS split's feature `column`, in the split's
     order. Nothing is downloaded."""
-    import tensorflow_datasets as tfds
+    from MaxText.data import python_stdlib, tfds_data  # first: tfds_data quiets TensorFlow's C++ log lines
 
-    from MaxText.data import python_stdlib, tfds_data
+    import tensorflow_datasets as tfds
 
     root = data_dir or tfds_data.default_data_dir()
     if name == "python_stdlib":
