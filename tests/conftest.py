@@ -1,6 +1,7 @@
 """Test set-up: CPU only, 8 simulated devices, set before anything imports jax."""
 
 import os
+import socket
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -46,3 +47,13 @@ def te_standin():
     from MaxText.layers.moe import te_trace
 
     return te_trace.install(90)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

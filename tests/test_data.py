@@ -6,7 +6,6 @@ tfds's own errors and the python_stdlib builder on a small fake standard library
 import collections
 import io
 import json
-import socket
 import sys
 import zlib
 
@@ -37,16 +36,6 @@ def data_dir(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("tfds"))
     write("tfds", root)
     return root
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    """Any attempt to open a connection fails the test."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def config(data_dir, *overrides):

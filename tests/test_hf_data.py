@@ -56,15 +56,6 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     return roots
 
 
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-
-
 def files_args(root: str, suffix: str = "parquet") -> list[str]:
     return [f"hf_train_files={root}/train-*.{suffix}", f"hf_eval_files={root}/validation-*.{suffix}"]
 

@@ -80,26 +80,17 @@ def parquet_source(source: str, column: str) -> tuple[int, object]:
 def tfds_source(name: str, split: str, column: str, data_dir: str | None) -> tuple[int, object]:
     """(number of documents, an iterator over them) of a prepared TFDS split's feature `column`, in the split's
     order. Nothing is downloaded."""
+    import ml_collections
+
     from MaxText.data import python_stdlib, tfds_data  # first: tfds_data quiets TensorFlow's C++ log lines
 
     import tensorflow_datasets as tfds
 
-    root = data_dir or tfds_data.default_data_dir()
-    if name == "python_stdlib":
-        builder = python_stdlib.build(root)
-    else:
-        try:
-            with python_stdlib.quiet_tfds():
-                builder = tfds.builder(name, data_dir=root, try_gcs=False)
-                prepared = builder.is_prepared()
-        except tfds.core.registered.DatasetNotFoundError:
-            raise UserError(f"{name} is neither a Parquet glob nor a TFDS dataset (none is prepared in {root}); "
-                            f"check the name or --data_dir") from None
-        except (ValueError, AssertionError) as e:  # an unknown config or version
-            raise UserError(f"{name} in {root}: {(str(e).splitlines() or [type(e).__name__])[0][:300]}") from None
-        if not prepared:
-            raise UserError(f"TFDS dataset {name} is not prepared in {root}; nothing is downloaded here: prepare "
-                            f"it with `tfds build {name} --data_dir {root}`, or pass --data_dir")
+    try:
+        builder = tfds_data.open_builder(ml_collections.ConfigDict({"dataset_name": name, "dataset_path": data_dir}))
+    except ConfigError as e:  # the trainer's own check, whose message names its keys (dataset_path: --data_dir)
+        raise UserError(f"{name} is neither a Parquet glob nor a TFDS dataset prepared here ({e}); check the name "
+                        f"or --data_dir") from None
     if column not in builder.info.features:
         raise UserError(f"TFDS dataset {name} has no feature {column!r} (it has "
                         f"{', '.join(builder.info.features)}); name the document feature with --column")
