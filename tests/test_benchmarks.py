@@ -61,3 +61,22 @@ def test_gpu_check_refuses_a_machine_without_nvidia_gpu(capsys, tmp_path):
     env = dict(os.environ, PATH="/usr/bin:/bin")  # no nvidia-smi on this PATH
     result = subprocess.run(["bash", "scripts/gpu_check.sh"], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: no NVIDIA GPU"), result.stderr
+
+
+def test_input_benchmark_reports_each_pipeline(tmp_path, capsys):
+    """Every pipeline reads the generated corpus (TFDS, ArrayRecord by the converter, Parquet) in full rows, and
+    resumes at the start and at the end of its epoch."""
+    from MaxText.benchmarks import input as input_benchmark
+
+    out = tmp_path / "input.json"
+    input_benchmark.main(["--documents", "200", "--files", "2", "--length", "64", "--batch", "2", "--batches", "2",
+                          "--repeats", "1", "--grain_workers", "0", "--pretokenized", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["pipeline"] for r in result["rows"]] == ["tfds", "grain (0 workers)", "grain, token ids (0 workers)",
+                                                       "hf"]
+    for r in result["rows"]:
+        assert r["tokens_per_s"] > 0 and r["first_batch_s"] > 0, r
+        assert r["resume_start_s"] > 0 and r["resume_end_s"] > 0 and r["resume_end_document"] == 190, r
+        assert r["tokens_per_batch"] == 2 * 64, f"{r['pipeline']}: a training batch is never padded"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].split()[:2] == ["pipeline", "tokens/s"] and json.loads(printed[-1]) == result
