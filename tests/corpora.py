@@ -32,34 +32,6 @@ TRAIN_DOCS, EVAL_DOCS = make_documents(30, 0), make_documents(8, 1)
 SPLITS = {"train": TRAIN_DOCS, "validation": EVAL_DOCS}
 
 
-def tfds_builder_class():
-    """MaxtextTestDocs, a TFDS builder of SPLITS (defined on first use: registering it imports TensorFlow)."""
-    import tensorflow_datasets as tfds
-
-    global MaxtextTestDocs
-    if "MaxtextTestDocs" in globals():
-        return MaxtextTestDocs
-
-    class MaxtextTestDocs(tfds.core.GeneratorBasedBuilder):
-        """TRAIN_DOCS as "train", EVAL_DOCS as "validation"."""
-
-        VERSION = tfds.core.Version("1.0.0")
-        code_path = None  # no checksums to look up (see python_stdlib.PythonStdlib)
-
-        def _info(self):
-            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-                {"text": tfds.features.Text()}))
-
-        def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(docs) for split, docs in SPLITS.items()}
-
-        def _generate_examples(self, docs):
-            for i, doc in enumerate(docs):
-                yield i, {"text": doc}
-
-    return MaxtextTestDocs
-
-
 def shards(docs: list, n: int = SHARDS) -> list[list]:
     """docs cut into n consecutive runs (their concatenation is docs)."""
     cuts = np.linspace(0, len(docs), n + 1).astype(int)
@@ -101,14 +73,10 @@ def write(kind: str, root: str, column: str = "text") -> None:
     """SPLITS in `kind`'s format under root (column: the feature name, grain and hf)."""
     os.makedirs(root, exist_ok=True)
     if kind == "tfds":
-        import tensorflow_datasets as tfds
+        from MaxText.data import tfds_data
 
-        from MaxText.data import python_stdlib
-
-        with python_stdlib.quiet_tfds():
-            # Three files per split, so that file shuffling and interleaving are part of every test.
-            tfds_builder_class()(data_dir=root).download_and_prepare(
-                download_config=tfds.download.DownloadConfig(num_shards=SHARDS))
+        # Three files per split, so that file shuffling and interleaving are part of every test.
+        tfds_data.prepare_documents("MaxtextTestDocs", SPLITS, root, SHARDS)
         return
     for split, docs in SPLITS.items():
         for path, part in zip(shard_paths(root, split, "array_record" if kind == "grain" else "parquet"),

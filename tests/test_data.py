@@ -11,17 +11,13 @@ import zlib
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from MaxText.config import ConfigError
 from MaxText.data import make_data, python_stdlib, tfds_data, validate
 from MaxText.data.tfds_data import KEYS, TfdsData
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer
-from tests.corpora import EVAL_DOCS, L, PIPELINES, TRAIN_DOCS, Corpus, config_args, make_documents, tfds_builder_class, write  # noqa: F401
+from tests.corpora import EVAL_DOCS, L, PIPELINES, TRAIN_DOCS, Corpus, config_args, make_documents, write  # noqa: F401
 from tests.tiny import tiny_config
-
-MaxtextTestDocs = tfds_builder_class()  # registered with TFDS here, for the tests that import it from this module
-
 
 @pytest.fixture(scope="module", params=PIPELINES)
 def corpus(request, tmp_path_factory) -> Corpus:

@@ -46,7 +46,6 @@ MEDIAN_BYTES, SIGMA = 1200, 1.0  # lognormal document lengths: mean = median * e
 # 100000 documents).
 ROW_GROUP = 1000
 END_MARGIN = 10  # "end of the epoch": this many documents before it
-DOCUMENTS: list[str] = []  # what the TFDS builder writes (set before it is prepared)
 
 
 def make_documents(n: int, seed: int = 0) -> list[str]:
@@ -60,34 +59,6 @@ def make_documents(n: int, seed: int = 0) -> list[str]:
     text = " ".join(vocab[w] for w in words)
     cuts = np.concatenate([[0], np.cumsum(lengths)])
     return [text[a:b].strip() or "x" for a, b in zip(cuts[:-1], cuts[1:])]
-
-
-def tfds_builder_class():
-    """MaxtextBenchDocs, a TFDS builder of DOCUMENTS as "train" (defined on first use: it imports TensorFlow)."""
-    import tensorflow_datasets as tfds
-
-    global MaxtextBenchDocs
-    if "MaxtextBenchDocs" in globals():
-        return MaxtextBenchDocs
-
-    class MaxtextBenchDocs(tfds.core.GeneratorBasedBuilder):
-        """DOCUMENTS as "train"."""
-
-        VERSION = tfds.core.Version("1.0.0")
-        code_path = None  # no checksums to look up (see python_stdlib.PythonStdlib)
-
-        def _info(self):
-            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-                {"text": tfds.features.Text()}))
-
-        def _split_generators(self, dl_manager):
-            return {"train": self._generate_examples()}
-
-        def _generate_examples(self):
-            for i, doc in enumerate(DOCUMENTS):
-                yield i, {"text": doc}
-
-    return MaxtextBenchDocs
 
 
 def convert(argv: list[str]) -> None:
@@ -106,17 +77,11 @@ def write_corpus(docs: list[str], root: str, files: int, tokenizer_path: str | N
     (root/hf), `files` files each; returns the seconds each took."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import tensorflow_datasets as tfds
+    from MaxText.data import tfds_data
 
-    from MaxText.data import python_stdlib
-
-    global DOCUMENTS
-    DOCUMENTS = docs
     seconds, per_file = {}, math.ceil(len(docs) / files)
     start = time.perf_counter()
-    with python_stdlib.quiet_tfds():
-        tfds_builder_class()(data_dir=f"{root}/tfds").download_and_prepare(
-            download_config=tfds.download.DownloadConfig(num_shards=files))
+    tfds_data.prepare_documents("MaxtextBenchDocs", {"train": docs}, f"{root}/tfds", files)
     seconds["tfds"] = time.perf_counter() - start
     start = time.perf_counter()
     convert([DATASET, f"{root}/grain", "--data_dir", f"{root}/tfds", "--records_per_shard", str(per_file)])

@@ -133,3 +133,26 @@ class TfdsData(PackedDocuments):
         ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=False)
         # The skipped records are read (and pass through the shuffle buffer) but are not tokenized.
         return ds.skip(skip).prefetch(64).with_options(options).as_numpy_iterator()
+
+
+_DOCUMENT_BUILDERS: dict[str, type] = {}
+
+
+def prepare_documents(class_name: str, splits: dict[str, list[str]], data_dir: str, num_shards: int) -> None:
+    """Prepares {split: texts} as the TFDS dataset of a builder class named class_name (TFDS's name: its snake
+    case), feature "text", num_shards files per split, in data_dir: test corpora and benchmarks made in memory.
+    The class is defined (and registered with TFDS) once per name."""
+    if class_name not in _DOCUMENT_BUILDERS:
+        def split_generators(self, dl_manager):
+            return {split: ((i, {"text": doc}) for i, doc in enumerate(docs)) for split, docs in self.splits.items()}
+
+        _DOCUMENT_BUILDERS[class_name] = type(class_name, (tfds.core.GeneratorBasedBuilder,), {
+            "VERSION": tfds.core.Version("1.0.0"), "__module__": __name__,
+            "code_path": None,  # no checksums to look up (see python_stdlib.PythonStdlib)
+            "_info": lambda self: tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+                {"text": tfds.features.Text()})),
+            "_split_generators": split_generators, "_generate_examples": None})
+    builder = _DOCUMENT_BUILDERS[class_name](data_dir=data_dir)
+    builder.splits = splits
+    with python_stdlib.quiet_tfds():
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=num_shards))
