@@ -416,8 +416,9 @@ def read_collectives(path: str) -> list[dict]:
             text = f.read().strip().splitlines()
         by_group = json.loads(text[-1])["collectives"]["by_group"]
     except (OSError, IndexError, ValueError, KeyError, TypeError) as e:
+        reason = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"--collectives={path}: not the JSON of `python -m MaxText.lowering <config> > FILE` "
-                          f"with collectives counted ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+                          f"with collectives counted ({type(e).__name__}: {reason})") from None
     return by_group
 
 

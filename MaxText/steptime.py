@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from MaxText.config import layer_counts
+from MaxText.config import MESH_AXES, layer_counts
 from MaxText.metrics import attention_core_flops_per_token, model_flops_per_token
 
 
@@ -124,8 +124,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
     rules place them (dense weights gathered over fsdp x expert, expert weights over fsdp), DCN axes outermost."""
     from MaxText.config import global_batch_size
 
-    def ici(name):  # the mesh axis's size inside a slice (ICI); the rest is DCN
-        return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
+    def ici(name):
+        return _ici(cfg, mesh_shape, name)
 
     fsdp, ep, tp = mesh_shape["fsdp"], mesh_shape["expert"], mesh_shape["tensor"]
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
@@ -184,6 +184,11 @@ def expected_destinations(num_experts: int, top_k: int, units: int, groups: int 
     kept = [math.comb(per_unit, j) * math.comb(groups - per_unit, keep - j) / math.comb(groups, keep)
             for j in range(min(per_unit, keep) + 1)]
     return units * (1 - sum(p * missed(j * group) for j, p in enumerate(kept)))
+
+
+def _ici(cfg, mesh_shape: dict, name: str) -> int:
+    """A mesh axis's size inside a slice (ICI); the rest of it is DCN."""
+    return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
 
 
 def _local(ici_members: int, ici_stride: int, group: int, domain: int) -> int:
@@ -361,18 +366,16 @@ def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> di
     crosses the slowest link of its group, as in the formulas. The EP all-to-all stays the routing's (on CPU the
     module's is fixed buffers; under NCCL EP it is inside TE's kernels)."""
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
-    axes_order = [a for a in ("data", "fsdp", "expert", "tensor") if mesh_shape.get(a, 1) > 1]
-
-    def ici(name):
-        return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
-
+    axes_order = [a for a in MESH_AXES if mesh_shape.get(a, 1) > 1]
     out: dict[str, float] = {}
     for g in by_group:
-        axes = [a for a in (g["axes"] or axes_order) if a in mesh_shape]  # () in the module: every device
-        if g["kind"] == "all-to-all" and axes == ["expert"] or not g["group"] or g["group"] <= 1:
+        # The axes of more than one device, in mesh order; () in the module: every device.
+        axes = [a for a in axes_order if a in (g["axes"] or axes_order)]
+        if g["kind"] == "all-to-all" and axes == ["expert"] or not g["group"] or g["group"] <= 1 or not axes:
             continue
-        inner = [a for a in axes_order[axes_order.index(axes[-1]) + 1:] if a not in axes] if axes else []
-        local = _local(math.prod(ici(a) for a in axes), math.prod(ici(a) for a in inner), g["group"], domain)
+        inner = [a for a in axes_order[axes_order.index(axes[-1]) + 1:] if a not in axes]
+        local = _local(math.prod(_ici(cfg, mesh_shape, a) for a in axes),
+                       math.prod(_ici(cfg, mesh_shape, a) for a in inner), g["group"], domain)
         term = "tp" if "tensor" in axes else "dp" if set(axes) <= {"data"} else "fsdp"
         seconds = _ring(g["bytes"], g["group"], local, hw) * (2 if g["kind"] == "all-reduce" else 1)
         out[term] = out.get(term, 0.0) + seconds

@@ -140,8 +140,9 @@ class PackedDocuments:
         if isinstance(record, str):
             return self.tokenizer.encode(record)
         tokens = np.asarray(record, np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise ValueError(f"{self.source_name()}: a pre-tokenized document holds id {int(tokens.max())} "
+        outside = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
+        if outside.size:
+            raise ValueError(f"{self.source_name()}: a pre-tokenized document holds id {int(outside[0])} "
                              f"outside vocab_size={self.vocab_size}; it was tokenized with another tokenizer")
         return tokens.astype(np.int32)
 

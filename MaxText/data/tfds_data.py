@@ -6,8 +6,9 @@ local files the first time. Each process reads only its own part of the split, t
 process_count)[process_index], and only the text feature of each record (train_data_columns / eval_data_columns,
 upstream's keys; default "text").
 
-Order. Epoch e reads this process's part with its files shuffled and then a SHUFFLE_BUFFER-document shuffle buffer, both seeded by (data_shuffle_seed, e,
-process_index), under tf.data's deterministic options: the same seed gives the same batches, run after run.
+Order. Epoch e reads this process's part with its files shuffled and then a SHUFFLE_BUFFER-document shuffle
+buffer, both seeded by (data_shuffle_seed, e, process_index), under tf.data's deterministic options: the same
+seed gives the same batches, run after run.
 
 Packing, the eval stream's padding and the state: MaxText/data/packing.py.
 
@@ -27,7 +28,7 @@ import tensorflow_datasets as tfds  # noqa: E402
 
 from MaxText.config import ConfigError  # noqa: E402
 from MaxText.data import BATCH_KEYS, python_stdlib, text_column  # noqa: E402  (python_stdlib registers its builder)
-from MaxText.data.packing import EVAL_EPOCH, PackedDocuments, epoch_seed  # noqa: E402,F401
+from MaxText.data.packing import PackedDocuments, epoch_seed  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
 try:

@@ -204,8 +204,8 @@ def convert(args) -> str:
     if tokenizer:
         use.append(f"tokenizer_path={args.tokenizer_path}")
     kind = f"token ids of {args.tokenizer_path}" if tokenizer else "text"
-    return (f"wrote {count} records ({kind}) in {len(paths)} shard{"s" * (len(paths) != 1)}, {size} bytes, to {args.out_dir}\n"
-            f"use: {' '.join(use)}")
+    shards = f"{len(paths)} shard{'s' * (len(paths) != 1)}"
+    return f"wrote {count} records ({kind}) in {shards}, {size} bytes, to {args.out_dir}\nuse: {' '.join(use)}"
 
 
 def parse_args(argv):
