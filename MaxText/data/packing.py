@@ -28,6 +28,8 @@ array) and source_name() (the split and files, for messages).
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from MaxText.data import BATCH_KEYS
@@ -41,7 +43,7 @@ def epoch_seed(seed: int, epoch: int, process_index: int) -> int:
     return int(np.random.SeedSequence([seed % 2**32, epoch, process_index]).generate_state(1)[0])
 
 
-class PackedDocuments:
+class PackedDocuments(abc.ABC):
     """This process's rows of each global batch: dicts of [global_batch // process_count, max_target_length]
     int32 arrays (see the module docstring for order, packing and state). `state=` resumes the eval stream in
     the same way, though a fresh eval iterator is what gives the same eval batches every time."""
@@ -65,14 +67,14 @@ class PackedDocuments:
 
     # ------------------------------------------------------------------ what a pipeline defines
 
+    @abc.abstractmethod
     def epoch_records(self, epoch: int, skip: int = 0):
         """An iterator over this process's records (str, UTF-8 bytes or int token arrays) in epoch `epoch`'s
         order, from record number `skip` on."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def source_name(self) -> str:
         """The split or files read, for messages."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the iterator
 
