@@ -428,7 +428,7 @@ def check_positive(cfg) -> None:
             raise ConfigError(f"{key}={cfg[key]} must be at least 1" + (" (or -1: the whole eval split)"
                                                                         if key == "eval_steps" else ""))
     for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
-                "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib"):
+                "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib", "rope_attention_factor"):
         if cfg[key] is not None and not cfg[key] > 0:
             raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
     for key in ("learning_rate", "load_balance_loss_weight", "router_z_loss_weight", "adam_weight_decay",
@@ -459,6 +459,13 @@ def check_positive(cfg) -> None:
     if cfg.lr_schedule_type == "wsd" and cfg.warmup_steps_fraction + cfg.wsd_decay_steps_fraction > 1:
         raise ConfigError(f"warmup_steps_fraction={cfg.warmup_steps_fraction} + wsd_decay_steps_fraction="
                           f"{cfg.wsd_decay_steps_fraction} exceed 1 (the whole schedule); lower one of them")
+
+
+def check_rope(cfg) -> None:
+    """YaRN's own keys do nothing under plain RoPE: a value set there would be ignored in silence."""
+    if cfg.rope_type != "yarn" and cfg.rope_attention_factor != 1.0:
+        raise ConfigError(f"rope_attention_factor={cfg.rope_attention_factor} applies under rope_type=yarn only; set "
+                          "rope_type=yarn (rope_factor=1.0 keeps every frequency) or drop it")
 
 
 def check_attention_heads(cfg) -> None:
@@ -602,8 +609,8 @@ def check_upstream_consistency(cfg) -> None:
                           "none: set eval_steps to a number of batches")
 
 
-CHECKS = (check_choices, check_te_options, check_router, check_positive, check_attention_heads, check_layers,
-          check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
+CHECKS = (check_choices, check_te_options, check_router, check_positive, check_rope, check_attention_heads,
+          check_layers, check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
           check_checkpoint_sources, check_upstream_consistency)
 
 

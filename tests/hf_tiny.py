@@ -47,17 +47,61 @@ def write_checkpoint(directory, config, tensors, shards=2):
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
+def as_v5(config):
+    """The config in transformers 5's schema: rope_theta and rope_scaling inside rope_parameters, Qwen3-MoE's
+    num_experts as num_local_experts, torch_dtype as dtype."""
+    c = dict(config)
+    rope = dict(c.pop("rope_scaling", None) or {})
+    if "type" in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = c.pop("rope_theta", 10000.0)
+    c["rope_parameters"] = rope
+    if "num_experts" in c:
+        c["num_local_experts"] = c.pop("num_experts")
+    return c
+
+
+def rope_of(config):
+    """(theta, scaling dict or None) of a config in either schema (the tests' own reading)."""
+    if "rope_parameters" in config:
+        rope = dict(config["rope_parameters"])
+        theta = rope.pop("rope_theta")
+        return theta, (rope if rope.get("rope_type") == "yarn" else None)
+    return config.get("rope_theta", 10000.0), config.get("rope_scaling")
+
+
+def _temperature(factor, m=1.0):
+    return 0.1 * m * math.log(factor) + 1 if factor > 1 else 1.0
+
+
+def rotary(config, dim):
+    """(inverse frequencies [dim/2], factor on cos and sin, softmax-scale factor) as transformers computes them:
+    YaRN's attention_factor is mscale's over mscale_all_dim's temperature when both are set, else the plain
+    temperature; DeepSeek's softmax scale takes mscale_all_dim's temperature squared."""
+    theta, yarn = rope_of(config)
+    if not yarn:
+        return theta ** (-np.arange(0, dim, 2) / dim), 1.0, 1.0
+    f = yarn["factor"]
+    inv = _yarn_inv_freq(dim, theta, f, yarn["original_max_position_embeddings"], yarn.get("beta_fast", 32),
+                         yarn.get("beta_slow", 1))
+    m, m_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    a = _temperature(f, m) / _temperature(f, m_all) if m and m_all else _temperature(f)
+    return inv, a, (_temperature(f, m_all) ** 2 if m_all else 1.0)
+
+
 def _rand(rng, *shape, scale=None):
     scale = scale if scale is not None else 1 / math.sqrt(shape[-1])
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def mixtral_or_qwen3(family: str, seed=0, dtype=np.float32):
-    """(config.json, tensors) of a tiny Mixtral or Qwen3-MoE."""
+def mixtral_or_qwen3(family: str, seed=0, dtype=np.float32, theta=10000.0, yarn=None):
+    """(config.json, tensors) of a tiny Mixtral or Qwen3-MoE (transformers 4's schema; as_v5 gives 5's);
+    yarn: a rope_scaling dict."""
     rng = np.random.default_rng(seed)
     cfg = {"model_type": family, "hidden_size": D, "num_attention_heads": H, "num_key_value_heads": N, "head_dim": K,
-           "num_hidden_layers": LAYERS, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-           "num_experts_per_tok": TOPK, "hidden_act": "silu", "tie_word_embeddings": False}
+           "num_hidden_layers": LAYERS, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": theta,
+           "num_experts_per_tok": TOPK, "hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": yarn}
     if family == "mixtral":
         cfg.update(intermediate_size=F, num_local_experts=E, sliding_window=None)
     else:
@@ -98,10 +142,9 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def _rope_half(x, theta):
-    """Llama-family rotate_half: x [L, heads, K], pairs (x[i], x[i + K/2]) at position * theta^(-2i/K)."""
+def _rope_half(x, inv):
+    """Llama-family rotate_half: x [L, heads, K], pairs (x[i], x[i + K/2]) at position * inv[i]."""
     k = x.shape[-1]
-    inv = theta ** (-np.arange(0, k, 2) / k)
     ang = np.arange(x.shape[0])[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x1, x2 = x[..., : k // 2], x[..., k // 2:]
@@ -112,7 +155,8 @@ def reference_logits(config, tensors, tokens):
     """float64 logits [L, V] of one token row through a Mixtral or Qwen3-MoE, from the Hugging Face tensors."""
     g = {n: np.asarray(a, np.float64) for n, a in tensors.items()}
     qwen = config["model_type"] == "qwen3_moe"
-    eps, theta = config["rms_norm_eps"], config["rope_theta"]
+    eps = config["rms_norm_eps"]
+    inv, factor, _ = rotary(config, K)
     x = g["model.embed_tokens.weight"][tokens]
     length = len(tokens)
     causal = np.tril(np.ones((length, length), bool))
@@ -124,7 +168,7 @@ def reference_logits(config, tensors, tokens):
         v = (h @ g[f"{p}.self_attn.v_proj.weight"].T).reshape(length, N, K)
         if qwen:
             q, k = _rms(q, g[f"{p}.self_attn.q_norm.weight"], eps), _rms(k, g[f"{p}.self_attn.k_norm.weight"], eps)
-        q, k = _rope_half(q, theta), _rope_half(k, theta)
+        q, k = factor * _rope_half(q, inv), factor * _rope_half(k, inv)
         heads = []
         for head in range(H):
             kv = head // (H // N)
@@ -166,18 +210,23 @@ FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
                "down_proj", "eh_proj")
 
 
-def deepseek_v3(seed=0, fp8=False, mtp=True):
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 4, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+ROPES = {"yarn": (YARN, True), "plain": (None, True), "halves": (None, False), "yarn_halves": (YARN, False),
+         "yarn_mscale0": ({**{k: v for k, v in YARN.items() if k != "mscale_all_dim"}, "mscale": 0.707}, True)}
+
+
+def deepseek_v3(seed=0, fp8=False, mtp=True, rope="yarn"):
     """(config.json, tensors) of a tiny DeepSeek-V3 in its release layout: YaRN, group-limited sigmoid routing with
     e_score_correction_bias, a shared expert, one dense layer first, the MTP layer as layer num_hidden_layers. With
     fp8, every linear of attention, MLPs, experts and eh_proj is float8_e4m3fn with a float32 weight_scale_inv
-    per 128x128 block (as released)."""
+    per 128x128 block (as released). rope: a key of ROPES (the scaling and whether pairs are interleaved)."""
     rng = np.random.default_rng(seed)
     c = dict(DS)
     c.update(model_type="deepseek_v3", rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
              scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1 if mtp else 0,
-             tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
-             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 4,
-                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+             tie_word_embeddings=False, attention_bias=False, rope_interleave=ROPES[rope][1],
+             rope_scaling=ROPES[rope][0])
     d, h = c["hidden_size"], c["num_attention_heads"]
     qk, nope, rope, vd = 12, 8, 4, 8
     t = {"model.embed_tokens.weight": _rand(rng, V, d, scale=1.0), "model.norm.weight": 1 + _rand(rng, d, scale=0.1),
@@ -273,11 +322,9 @@ def deepseek_reference_logits(config, tensors, tokens):
     g = dequantized(tensors)
     c, eps = config, config["rms_norm_eps"]
     h, nope, rope, vd = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    rs = c["rope_scaling"]
-    inv_freq = _yarn_inv_freq(rope, c["rope_theta"], rs["factor"], rs["original_max_position_embeddings"],
-                              rs["beta_fast"], rs["beta_slow"])
-    mscale = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1
-    scale = (nope + rope) ** -0.5 * mscale * mscale
+    inv_freq, factor, softmax = rotary(c, rope)
+    scale = (nope + rope) ** -0.5 * softmax
+    rotate = _rope_interleave if c.get("rope_interleave", True) else _rope_half
     x = g["model.embed_tokens.weight"][tokens]
     length = len(tokens)
     causal = np.tril(np.ones((length, length), bool))
@@ -294,8 +341,8 @@ def deepseek_reference_logits(config, tensors, tokens):
         ckv = y @ g[f"{a}.kv_a_proj_with_mqa.weight"].T
         kv = (_rms(ckv[:, : c["kv_lora_rank"]], g[f"{a}.kv_a_layernorm.weight"], eps) @ g[f"{a}.kv_b_proj.weight"].T)
         kv = kv.reshape(length, h, nope + vd)
-        q_pe = _rope_interleave(q[..., nope:], inv_freq)
-        k_pe = _rope_interleave(ckv[:, None, c["kv_lora_rank"]:], inv_freq)
+        q_pe = factor * rotate(q[..., nope:], inv_freq)
+        k_pe = factor * rotate(ckv[:, None, c["kv_lora_rank"]:], inv_freq)
         qq = np.concatenate([q[..., :nope], q_pe], -1)
         kk = np.concatenate([kv[..., :nope], np.repeat(k_pe, h, 1)], -1)
         heads = []

@@ -276,3 +276,99 @@ def test_transformers_loads_the_export_as_the_same_model(tmp_path, family):
     cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON])
     ours = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------- config schemas and rotary layouts
+
+QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("family,schema,theta,yarn", [
+    ("mixtral", "v4", 5000.0, None), ("mixtral", "v5", 5000.0, None), ("qwen3_moe", "v5", 20000.0, None),
+    ("qwen3_moe", "v4", 10000.0, QWEN_YARN), ("qwen3_moe", "v5", 10000.0, QWEN_YARN)])
+def test_both_config_schemas_import_as_the_same_function(tmp_path, family, schema, theta, yarn):
+    """transformers 4's schema (rope_theta, rope_scaling, num_experts) and 5's (rope_parameters, num_local_experts)
+    give the published function: a non-default rope_theta is read from either place (the case that imported 78%
+    off in silence), and YaRN's attention factor (0.1 ln(factor) + 1 on cos and sin) reaches grouped attention."""
+    config, tensors = hf_tiny.mixtral_or_qwen3(family, theta=theta, yarn=yarn)
+    written = hf_tiny.as_v5(config) if schema == "v5" else config
+    item, out, _ = imported(tmp_path, written, tensors)
+    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON])
+    assert cfg.rope_max_timescale == theta and (cfg.rope_type == "yarn") == bool(yarn)
+    if yarn:
+        assert not cfg.rope_interleave and cfg.rope_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    rows = np.random.default_rng(1).integers(0, hf_tiny.V, (2, 12))
+    logits = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
+    for b in range(2):
+        np.testing.assert_allclose(logits[b], hf_tiny.reference_logits(config, tensors, rows[b]), rtol=2e-4,
+                                   atol=2e-4, err_msg=f"{family} {schema} row {b}")
+
+
+@pytest.mark.parametrize("rope,schema", [("plain", "v5"), ("halves", "v4"), ("yarn_halves", "v5"),
+                                         ("yarn_mscale0", "v4"), ("yarn", "v5")])
+def test_deepseek_rotary_layouts_import_as_the_same_function(tmp_path, rope, schema):
+    """Interleaved pairs without YaRN (transformers' default DeepseekV3Config), the halves (rope_interleave false)
+    with and without YaRN, YaRN with mscale but no mscale_all_dim (cos and sin scaled, the softmax not), and the
+    release's YaRN in transformers 5's schema: each imports as the function the reference computes."""
+    config, tensors = hf_tiny.deepseek_v3(rope=rope, mtp=False)
+    written = hf_tiny.as_v5(config) if schema == "v5" else config
+    item, out, _ = imported(tmp_path, written, tensors)
+    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON])
+    rows = np.random.default_rng(2).integers(0, hf_tiny.V, (2, 12))
+    logits = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
+    for b in range(2):
+        np.testing.assert_allclose(logits[b], hf_tiny.deepseek_reference_logits(config, tensors, rows[b]), rtol=2e-4,
+                                   atol=2e-4, err_msg=f"{rope} row {b}")
+
+
+def _keys(config, **changes):
+    from MaxText.utils.ckpt_conversion.families import FAMILIES
+
+    config = {**config, **changes}
+    lines = []
+    return FAMILIES[config["model_type"]]().model_keys(config, lines.append), lines
+
+
+@pytest.mark.parametrize("family,changes,phrase", [
+    ("mixtral", {"num_experts": 8}, "num_local_experts=4 and num_experts=8 disagree"),
+    ("mixtral", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+     "rope_theta=10000.0 and rope_parameters.rope_theta=500.0 disagree"),
+    ("mixtral", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "type 'linear' is not built here"),
+    ("mixtral", {"moe_layer_freq": 2}, "field moe_layer_freq=2 is not understood"),
+    ("qwen3_moe", {"rope_scaling": {**QWEN_YARN, "truncate": False}}, "truncate=false"),
+    ("qwen3_moe", {"rope_scaling": {**QWEN_YARN, "low_freq_factor": 1}}, "rotary field low_freq_factor=1"),
+    ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not built here"),
+    ("qwen3_moe", {"quantization_config": {"quant_method": "awq"}}, "quantization_config="),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ("deepseek_v3", {"rope_parameters": {**hf_tiny.YARN, "factor": 8.0}},
+     "rope_scaling.factor=4.0 and rope_parameters.factor=8.0 disagree"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "does not renormalise"),
+])
+def test_config_fields_not_understood_are_one_line(family, changes, phrase):
+    from MaxText.config import ConfigError
+
+    config = hf_tiny.deepseek_v3()[0] if family.startswith("deepseek") else hf_tiny.mixtral_or_qwen3(family)[0]
+    config = {**config, "model_type": family}
+    if family == "deepseek_v2":
+        config.update(topk_method="greedy", scoring_func="softmax")
+        del config["num_nextn_predict_layers"]
+    with pytest.raises(ConfigError, match="^config.json") as e:
+        _keys(config, **changes)
+    assert phrase in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_missing_fields_take_transformers_defaults_and_the_ignored_are_named():
+    """A Mixtral config.json without rope_theta has MixtralConfig's 1e6, a DeepSeek-V3 one without
+    routed_scaling_factor DeepseekV3Config's 2.5; fields without effect are named in one line; hf_ignore_fields
+    accepts a field the importer does not know."""
+    config = hf_tiny.mixtral_or_qwen3("mixtral")[0]
+    del config["rope_theta"]
+    keys, lines = _keys(config, torch_dtype="bfloat16", router_aux_loss_coef=0.02)
+    assert keys["rope_max_timescale"] == 1e6
+    assert lines == ["config.json: not used (no effect on the model's function): router_aux_loss_coef, torch_dtype"]
+    ds = {k: v for k, v in hf_tiny.deepseek_v3()[0].items() if k != "routed_scaling_factor"}
+    assert _keys(ds)[0]["routed_scaling_factor"] == 2.5
+    from MaxText.utils.ckpt_conversion.families import Mixtral
+
+    assert Mixtral().model_keys({**config, "fancy": 1}, ignore=["fancy"])["num_experts"] == hf_tiny.E

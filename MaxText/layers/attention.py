@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.layers import attention_cudnn
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
-from MaxText.layers.rope import apply_rope, interleaved, static_rope_frequencies
+from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
 from MaxText.sharding import constrain
 
 
@@ -36,6 +36,7 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.rope_frequencies = static_rope_frequencies(cfg, k)  # RoPE, or YaRN with rope_type: yarn
         self.rope_interleave = interleaved(cfg)
+        self.rope_scale = attention_factor(cfg)
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
         self.dtype = dtype
         self.rules = rules
@@ -49,8 +50,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
-        q = apply_rope(q, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
-        k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave)
+        q = apply_rope(q, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
+        k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
                              rules=self.rules)
         out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText.layers.attention import attention
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
-from MaxText.layers.rope import apply_rope, interleaved, static_rope_frequencies, yarn_mscale
+from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies, yarn_mscale
 from MaxText.sharding import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", None)
@@ -49,9 +49,11 @@ class MLA(nnx.Module):
         self.out = param(rngs, fan_in_init((0, 1), 2), (h, v, d), ("heads", "head_dim", "embed"), weight_dtype)
         self.rope_frequencies = static_rope_frequencies(cfg, rope)
         self.rope_interleave = interleaved(cfg)
+        self.rope_scale = attention_factor(cfg)
         scale = (nope + rope) ** -0.5
         if cfg.rope_type == "yarn":
-            # DeepSeek-V3's convention: YaRN's temperature multiplies the softmax scale, squared; cos/sin stay unscaled.
+            # DeepSeek's convention: YaRN's temperature (mscale, transformers' mscale_all_dim) multiplies the softmax
+            # scale, squared; cos/sin are multiplied by rope_attention_factor (1 in DeepSeek-V3's release).
             scale *= yarn_mscale(cfg.rope_factor, cfg.mscale) ** 2
         self.softmax_scale = scale
         self.q_lora_rank, self.kv_lora_rank, self.nope_dim = rq, rkv, nope
@@ -70,13 +72,14 @@ class MLA(nnx.Module):
             q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt))
         q_BLHK = constrain(q_BLHK, _HEADS, self.rules)
         q_nope, q_pe = jnp.split(q_BLHK, [self.nope_dim], axis=-1)
-        q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2, interleave=self.rope_interleave)
+        q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2, interleave=self.rope_interleave,
+                          scale=self.rope_scale)
         q_BLHK = checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
 
         kv_BLR = checkpoint_name(jnp.einsum("bld,dr->blr", x_BLD, self.wkv_a[...].astype(dt)), "mla_kv")
         c_kv_BLR, k_pe_BLP = jnp.split(kv_BLR, [self.kv_lora_rank], axis=-1)
         k_pe_BL1P = apply_rope(k_pe_BLP[:, :, None, :], positions_BL, frequencies_K2=freqs_P2,
-                               interleave=self.rope_interleave)
+                               interleave=self.rope_interleave, scale=self.rope_scale)
         kv_BLHK = jnp.einsum("blr,rhk->blhk", self.kv_norm(c_kv_BLR), self.wkv_b[...].astype(dt))
         kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)

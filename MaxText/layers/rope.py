@@ -60,9 +60,10 @@ def rope_frequencies_for(cfg, rope_dim: int):
 
 
 def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequencies_K2=None,
-               interleave: bool = False):
+               interleave: bool = False, scale: float = 1.0):
     """Rotates feature pairs (x[i], x[i + K/2]) by position * frequency_i (the 'half' layout), or with
-    `interleave` the pairs (x[2i], x[2i + 1]) in place (DeepSeek's release; MaxText's rope_interleave).
+    `interleave` the pairs (x[2i], x[2i + 1]) in place (DeepSeek's release; MaxText's rope_interleave), and
+    multiplies the rotated features by `scale` (YaRN's attention factor, on cos and sin as transformers has it).
 
     The frequencies are rope_frequencies(K, max_timescale) unless `frequencies_K2` [K/2] is given
     (e.g. from rope_frequencies_for, for YaRN); pass exactly one of the two.
@@ -81,12 +82,19 @@ def apply_rope(x_BLHK, positions_BL, max_timescale: float | None = None, frequen
     else:
         x1, x2 = jnp.split(x, 2, axis=-1)
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if scale != 1.0:
+        out = out * scale
     return out.astype(x_BLHK.dtype)
 
 
 def interleaved(cfg) -> bool:
     """Whether this config rotates interleaved pairs: rope_interleave, which (as in MaxText) applies to YaRN."""
     return cfg.rope_type == "yarn" and cfg.rope_interleave
+
+
+def attention_factor(cfg) -> float:
+    """The factor on the rotated query and key features: rope_attention_factor under YaRN, else 1."""
+    return float(cfg.rope_attention_factor) if cfg.rope_type == "yarn" else 1.0
 
 
 def static_rope_frequencies(cfg, rope_dim: int) -> tuple:

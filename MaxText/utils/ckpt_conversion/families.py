@@ -6,19 +6,23 @@ Layouts: a Hugging Face Linear weight is [out, in] and is transposed; per-head p
 [in, heads, head_dim] (outputs [heads, head_dim, out]); routed experts, one tensor per expert there, are
 stacked on a leading expert axis here; layers are stacked on a leading axis when scan_layers is true.
 Rotary layouts need no permutation: Mixtral and Qwen3 rotate the halves (x[i], x[i + K/2]) as rope_type
-default does here, and DeepSeek's release rotates interleaved pairs, which rope_interleave (true, with
-rope_type yarn) does here. DeepSeek's MTP projection eh_proj takes [embedding, hidden]; this trainer's takes
+default does here, and DeepSeek rotates interleaved pairs (rope_interleave, true in its release and in
+transformers' default), which rope_interleave does here under rope_type yarn: a DeepSeek model without YaRN
+imports as rope_type yarn with rope_factor 1 (every frequency as it is), the same function. DeepSeek's MTP projection eh_proj takes [embedding, hidden]; this trainer's takes
 [hidden, embedding], so its two input halves swap.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 from typing import NamedTuple
 
 import numpy as np
 
 from MaxText.config import ConfigError
+from MaxText.utils.ckpt_conversion.hf_config import Fields, rope_config, rope_keys
+from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK
 
 
 class Rule(NamedTuple):
@@ -66,37 +70,22 @@ def to_theirs(rule: Rule, a: np.ndarray) -> np.ndarray:
     raise AssertionError(rule.kind)
 
 
-def _require(hf: dict, key: str, ok, what: str) -> None:
-    if key in hf and not ok(hf[key]):
-        raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported ({what})")
+def _no_quantization_but_fp8_blocks(f: Fields) -> None:
+    """quantization_config: only DeepSeek's FP8 block form (read by safetensors_io.Checkpoint.weight) is
+    understood; any other would leave weights read as they are stored."""
+    q = f.hf.get("quantization_config")
+    f.mark("quantization_config")
+    if q is None:
+        return
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
+            list(q.get("weight_block_size") or []) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ConfigError(f"config.json: quantization_config={json.dumps(q)[:80]} is not understood here (DeepSeek's "
+                          f"FP8 blocks: quant_method fp8, fmt e4m3, weight_block_size [{FP8_BLOCK}, {FP8_BLOCK}])")
 
 
-def _rope_keys(hf: dict) -> dict:
-    """rope_theta and rope_scaling (none or YaRN) as this trainer's keys."""
-    keys = {"rope_max_timescale": float(hf.get("rope_theta", 10000.0))}
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "yarn":
-            raise ConfigError(f"config.json: rope_scaling of type {kind!r} is not supported (none or yarn)")
-        mscale, mscale_all = float(scaling.get("mscale", 1.0)), float(scaling.get("mscale_all_dim", 0.0))
-        if mscale_all and mscale_all != mscale:
-            raise ConfigError(f"config.json: rope_scaling mscale={mscale} and mscale_all_dim={mscale_all} differ; this "
-                              "trainer scales the softmax by YaRN's temperature with one mscale")
-        keys.update(rope_type="yarn", rope_factor=float(scaling["factor"]), mscale=mscale,
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                    beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)))
-    return keys
-
-
-def _rope_config(cfg) -> dict:
-    out = {"rope_theta": float(cfg.rope_max_timescale), "rope_scaling": None}
-    if cfg.rope_type == "yarn":  # transformers checks the context length against factor x the original
-        out["max_position_embeddings"] = int(round(cfg.original_max_position_embeddings * cfg.rope_factor))
-        out["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "mscale": cfg.mscale,
-                               "mscale_all_dim": cfg.mscale, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
-                               "original_max_position_embeddings": cfg.original_max_position_embeddings}
-    return out
+def _silu_no_bias(f: Fields) -> None:
+    f.need("hidden_act", lambda v: v == "silu", "the MLPs and experts are SwiGLU here")
+    f.need("attention_bias", lambda v: not v, "attention projections have no bias here")
 
 
 class Family(abc.ABC):
@@ -137,31 +126,53 @@ class Family(abc.ABC):
         """The routing biases of an MoE layer (nnx_aux)."""
         return []
 
+    defaults: dict = {}          # transformers' config class defaults for the fields read (5.24)
+    aliases: dict = {}           # field -> its other spellings (transformers 4 and 5, attribute_map)
+    ignored: frozenset = frozenset()  # the family's own fields that do not change the function
+
+    def fields(self, hf: dict, ignore=()) -> Fields:
+        return Fields(hf, hf.get("model_type", self.model_type), self.defaults, self.aliases, self.ignored,
+                      frozenset(ignore))
+
+    def model_keys(self, hf: dict, log=lambda *_: None, ignore=()) -> dict:
+        """config.json as this trainer's model keys: every field read as transformers reads it, or refused."""
+        f = self.fields(hf, ignore)
+        keys = self.read(f, log)
+        _no_quantization_but_fp8_blocks(f)
+        f.finish(log)
+        return keys
+
     @abc.abstractmethod
-    def model_keys(self, hf: dict) -> dict:
-        """config.json as this trainer's model keys."""
+    def read(self, f: Fields, log) -> dict:
+        """The model keys from the fields (each read through f, so that f knows what was understood)."""
 
     @abc.abstractmethod
     def hf_config(self, cfg) -> dict:
-        """This config as the family's config.json."""
+        """This config as the family's config.json, readable by transformers 4 and 5 alike."""
 
 
-def _mha_keys(hf: dict) -> dict:
-    d, h = hf["hidden_size"], hf["num_attention_heads"]
-    return {"base_emb_dim": d, "base_num_query_heads": h, "base_num_kv_heads": hf.get("num_key_value_heads", h),
-            "head_dim": hf.get("head_dim") or d // h, "base_num_decoder_layers": hf["num_hidden_layers"],
-            "first_num_dense_layers": 0, "vocab_size": hf["vocab_size"], "attention_type": "mha",
-            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-            "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "num_experts_per_tok":
-            hf["num_experts_per_tok"], "routed_score_func": "softmax", "shared_experts": 0, **_rope_keys(hf)}
+_MHA_DEFAULTS = {"head_dim": None, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+
+
+def _mha_keys(f: Fields, log) -> dict:
+    d, h = f["hidden_size"], f["num_attention_heads"]
+    return {"base_emb_dim": d, "base_num_query_heads": h, "base_num_kv_heads": f["num_key_value_heads"] or h,
+            "head_dim": f["head_dim"] or d // h, "base_num_decoder_layers": f["num_hidden_layers"],
+            "first_num_dense_layers": 0, "vocab_size": f["vocab_size"], "attention_type": "mha",
+            "logits_via_embedding": bool(f["tie_word_embeddings"]),
+            "normalization_layer_epsilon": float(f["rms_norm_eps"]), "num_experts_per_tok": f["num_experts_per_tok"],
+            "routed_score_func": "softmax", "shared_experts": 0,
+            **rope_keys(f, mla=False, interleave=False, log=log)}
 
 
 def _mha_config(cfg) -> dict:
+    if cfg.rope_type == "yarn" and cfg.rope_interleave:
+        raise ConfigError("this family rotates the halves (x[i], x[i + K/2]); export with rope_interleave=false")
     return {"hidden_size": cfg.base_emb_dim, "num_attention_heads": cfg.base_num_query_heads,
             "num_key_value_heads": cfg.base_num_kv_heads, "head_dim": cfg.head_dim,
             "num_hidden_layers": cfg.base_num_decoder_layers, "vocab_size": cfg.vocab_size,
             "rms_norm_eps": cfg.normalization_layer_epsilon, "tie_word_embeddings": bool(cfg.logits_via_embedding),
-            "num_experts_per_tok": cfg.num_experts_per_tok, "hidden_act": "silu", **_rope_config(cfg)}
+            "num_experts_per_tok": cfg.num_experts_per_tok, "hidden_act": "silu", **rope_config(cfg, mla=False)}
 
 
 class Mixtral(Family):
@@ -169,12 +180,18 @@ class Mixtral(Family):
     expert_names = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
                     "block_sparse_moe.experts.{e}.w2.weight")
     gate = "block_sparse_moe.gate.weight"
+    defaults = {**_MHA_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": None,
+                "num_experts_per_tok": 2, "num_local_experts": 8, "rope_theta": 1e6}
+    aliases = {"num_local_experts": ("num_experts",)}
 
-    def model_keys(self, hf):
-        _require(hf, "sliding_window", lambda v: v is None, "sliding-window attention is not built here")
-        _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
-        return {"decoder_block": "mixtral", **_mha_keys(hf), "base_mlp_dim": hf["intermediate_size"],
-                "base_moe_mlp_dim": hf["intermediate_size"], "qk_norm": False, "num_experts": hf["num_local_experts"],
+    def read(self, f, log):
+        f.need("sliding_window", lambda v: v is None, "sliding-window attention is not built here")
+        f.need("hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
+        # Mixtral's router always renormalises its top-k softmax weights
+        return {"decoder_block": "mixtral", **_mha_keys(f, log), "base_mlp_dim": f["intermediate_size"],
+                "base_moe_mlp_dim": f["intermediate_size"], "qk_norm": False, "num_experts": f["num_local_experts"],
                 "norm_topk_prob": True}
 
     def hf_config(self, cfg):
@@ -184,28 +201,64 @@ class Mixtral(Family):
 
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
+    defaults = {**_MHA_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+                "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+                "num_local_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None, "rope_theta": 10000.0}
+    aliases = {"num_local_experts": ("num_experts",)}
+    ignored = frozenset({"sliding_window", "max_window_layers"})  # read by transformers only with use_sliding_window
 
-    def model_keys(self, hf):
-        _require(hf, "use_sliding_window", lambda v: not v, "sliding-window attention is not built here")
-        _require(hf, "decoder_sparse_step", lambda v: v == 1, "every layer is MoE here")
-        _require(hf, "mlp_only_layers", lambda v: not v, "dense layers are the first ones here")
-        _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
-        return {"decoder_block": "qwen3_moe", **_mha_keys(hf),
-                "base_mlp_dim": hf.get("intermediate_size", hf["moe_intermediate_size"]),
-                "base_moe_mlp_dim": hf["moe_intermediate_size"], "qk_norm": True, "num_experts": hf["num_experts"],
-                "norm_topk_prob": bool(hf.get("norm_topk_prob"))}
+    def read(self, f, log):
+        f.need("use_sliding_window", lambda v: not v, "sliding-window attention is not built here")
+        f.need("decoder_sparse_step", lambda v: v == 1, "every layer is MoE here")
+        f.need("mlp_only_layers", lambda v: not v, "dense layers are the first ones here")
+        _silu_no_bias(f)
+        return {"decoder_block": "qwen3_moe", **_mha_keys(f, log), "base_mlp_dim": f["intermediate_size"],
+                "base_moe_mlp_dim": f["moe_intermediate_size"], "qk_norm": True, "num_experts": f["num_local_experts"],
+                "norm_topk_prob": bool(f["norm_topk_prob"])}
 
     def hf_config(self, cfg):
+        # num_experts is transformers 4's name, num_local_experts transformers 5's: both, equal
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_mha_config(cfg),
                 "intermediate_size": cfg.base_mlp_dim, "moe_intermediate_size": cfg.base_moe_mlp_dim,
-                "num_experts": cfg.num_experts, "norm_topk_prob": bool(cfg.norm_topk_prob), "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "use_sliding_window": False, "attention_bias": False}
+                "num_experts": cfg.num_experts, "num_local_experts": cfg.num_experts,
+                "norm_topk_prob": bool(cfg.norm_topk_prob), "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "use_sliding_window": False, "attention_bias": False}
+
+
+_DEEPSEEK_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
+                      "tie_word_embeddings": False, "rope_theta": 10000.0, "moe_layer_freq": 1}
+_DEEPSEEK_IGNORED = frozenset({"num_key_value_heads", "head_dim", "qk_head_dim"})  # MLA: unused or derived
 
 
 class DeepSeek(Family):
-    """deepseek_v3 (and deepseek_v2, the same layout with softmax, device-limited routing and no bias)."""
+    """deepseek_v3, and deepseek_v2 (the same layout with softmax, device-limited routing and no bias). Where
+    transformers' class fixes what DeepSeek's own code reads from the file (V3: sigmoid scores, noaux_tc
+    routing; V2: no norm_topk_prob), a file asking otherwise is refused: the two readers would disagree."""
 
     model_type = "deepseek_v3"
+    V3 = {**_DEEPSEEK_DEFAULTS, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+          "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1,
+          "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+          "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+          "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+          "rope_interleave": True, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    V2 = {**_DEEPSEEK_DEFAULTS, "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+          "num_hidden_layers": 32, "num_attention_heads": 32, "first_k_dense_replace": 0, "kv_lora_rank": 512,
+          "q_lora_rank": 1536, "n_group": None, "n_routed_experts": 64, "n_shared_experts": 2, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None, "topk_method": "greedy",
+          "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None, "moe_intermediate_size": 1407,
+          "max_position_embeddings": 2048, "mlp_bias": False, "rope_interleave": True, "scoring_func": "softmax",
+          "num_nextn_predict_layers": 0}
+    ignored = _DEEPSEEK_IGNORED
+
+    def fields(self, hf, ignore=()):
+        v3 = hf.get("model_type", "deepseek_v3") == "deepseek_v3"
+        aliases = ({"n_routed_experts": ("num_local_experts",), "num_nextn_predict_layers": ("num_mtp_layers",)}
+                   if v3 else {"n_routed_experts": ("num_experts",)})
+        return Fields(hf, hf.get("model_type", self.model_type), self.V3 if v3 else self.V2, aliases, self.ignored,
+                      frozenset(ignore))
 
     def attention(self, cfg):
         h = cfg.base_num_query_heads
@@ -222,44 +275,62 @@ class DeepSeek(Family):
     def bias(self, cfg):
         return [Rule("moe.bias", "mlp.gate.e_score_correction_bias", "vector")] if cfg.routed_bias else []
 
-    def model_keys(self, hf):
-        _require(hf, "hidden_act", lambda v: v == "silu", "the experts are SwiGLU here")
-        _require(hf, "attention_bias", lambda v: not v, "attention projections have no bias here")
-        _require(hf, "topk_method", lambda v: v in ("noaux_tc", "group_limited_greedy", "greedy"),
-                 "noaux_tc, group_limited_greedy or greedy")
-        method = hf.get("topk_method", "noaux_tc" if hf.get("model_type") == "deepseek_v3" else "greedy")
-        grouped = (hf.get("n_group") or 1) > 1 and method != "greedy"
-        keys = {"decoder_block": "deepseek", "attention_type": "mla", "base_emb_dim": hf["hidden_size"],
-                "base_num_query_heads": hf["num_attention_heads"], "base_num_kv_heads": hf["num_attention_heads"],
-                "head_dim": hf["qk_nope_head_dim"], "base_mlp_dim": hf["intermediate_size"],
-                "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
-                "first_num_dense_layers": hf.get("first_k_dense_replace", 0), "vocab_size": hf["vocab_size"],
-                "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
-                "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-                "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": hf["kv_lora_rank"],
-                "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
-                "v_head_dim": hf["v_head_dim"], "num_experts": hf["n_routed_experts"],
-                "num_experts_per_tok": hf["num_experts_per_tok"], "shared_experts": hf.get("n_shared_experts") or 0,
-                "routed_score_func": hf.get("scoring_func", "softmax"),
-                "norm_topk_prob": bool(hf.get("norm_topk_prob")),
-                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-                "routed_bias": method == "noaux_tc", "mtp_num_layers": hf.get("num_nextn_predict_layers", 0) or 0,
-                "n_routing_groups": hf["n_group"] if grouped else None,
-                "topk_routing_group": hf.get("topk_group") if grouped else None,
-                "routing_group_score": "max" if method == "group_limited_greedy" else "topk_sum", **_rope_keys(hf)}
-        if "rope_type" not in keys:
-            raise ConfigError("config.json: a DeepSeek model without YaRN rope_scaling is not supported (its rotary "
-                              "pairs are interleaved, which this trainer rotates with rope_type yarn)")
-        keys["rope_interleave"] = bool(hf.get("rope_interleave", True))  # DeepSeek's release: interleaved pairs
-        return keys
+    def _routing(self, f: Fields) -> dict:
+        v3 = f.model_type == "deepseek_v3"
+        if v3:
+            f.need("topk_method", lambda v: v == "noaux_tc", "transformers' DeepseekV3 routes by noaux_tc only")
+            f.need("scoring_func", lambda v: v == "sigmoid", "transformers' DeepseekV3 scores by sigmoid only")
+            method = "noaux_tc"
+        else:
+            method = f.need("topk_method", lambda v: v in ("greedy", "group_limited_greedy"),
+                            "transformers' DeepseekV2 routes by greedy or group_limited_greedy")
+            f.need("scoring_func", lambda v: v == "softmax", "transformers' DeepseekV2 scores by softmax only")
+            f.need("norm_topk_prob", lambda v: not v, "transformers' DeepseekV2 does not renormalise the top-k weights "
+                   "while DeepSeek's own code does")
+            f.need("mlp_bias", lambda v: not v, "the MLPs have no bias here")
+        groups = f["n_group"] or 1
+        grouped = groups > 1 and method != "greedy"
+        experts_per_tok = f["num_experts_per_tok"]
+        if experts_per_tok is None:
+            raise ConfigError("config.json has no num_experts_per_tok, which transformers' DeepseekV2 needs")
+        return {"num_experts": f["n_routed_experts"], "num_experts_per_tok": experts_per_tok,
+                "shared_experts": f["n_shared_experts"] or 0,
+                "routed_score_func": "sigmoid" if v3 else "softmax", "norm_topk_prob": bool(v3 and f["norm_topk_prob"]),
+                "routed_scaling_factor": float(f["routed_scaling_factor"]), "routed_bias": v3,
+                "n_routing_groups": groups if grouped else None,
+                "topk_routing_group": f["topk_group"] if grouped else None,
+                "routing_group_score": "topk_sum" if v3 else "max"}
+
+    def read(self, f, log):
+        _silu_no_bias(f)
+        f.need("moe_layer_freq", lambda v: v == 1, "every layer after first_k_dense_replace is MoE here")
+        v3 = f.model_type == "deepseek_v3"
+        interleave = f["rope_interleave"]
+        if not v3 and not interleave:
+            raise ConfigError("config.json: rope_interleave=false, which transformers' DeepseekV2 does not read (it "
+                              "always rotates interleaved pairs); fix the file")
+        heads = f["num_attention_heads"]
+        return {"decoder_block": "deepseek", "attention_type": "mla", "base_emb_dim": f["hidden_size"],
+                "base_num_query_heads": heads, "base_num_kv_heads": heads, "head_dim": f["qk_nope_head_dim"],
+                "base_mlp_dim": f["intermediate_size"], "base_moe_mlp_dim": f["moe_intermediate_size"],
+                "base_num_decoder_layers": f["num_hidden_layers"],
+                "first_num_dense_layers": f["first_k_dense_replace"] or 0, "vocab_size": f["vocab_size"],
+                "logits_via_embedding": bool(f["tie_word_embeddings"]),
+                "normalization_layer_epsilon": float(f["rms_norm_eps"]), "q_lora_rank": f["q_lora_rank"] or 0,
+                "kv_lora_rank": f["kv_lora_rank"], "qk_nope_head_dim": f["qk_nope_head_dim"],
+                "qk_rope_head_dim": f["qk_rope_head_dim"], "v_head_dim": f["v_head_dim"], **self._routing(f),
+                "mtp_num_layers": (f["num_nextn_predict_layers"] or 0) if v3 else 0,
+                **rope_keys(f, mla=True, interleave=bool(interleave), log=log)}
 
     def hf_config(self, cfg):
-        if cfg.rope_type != "yarn" or not cfg.rope_interleave:
-            raise ConfigError("a DeepSeek export needs rope_type=yarn with rope_interleave=true (the rotary layout of "
-                              "DeepSeek's modelling code)")
         method = ("noaux_tc" if cfg.routed_bias else
                   "group_limited_greedy" if cfg.n_routing_groups and cfg.routing_group_score == "max" else "greedy")
         v3 = cfg.routed_bias
+        if not v3 and not (cfg.rope_type == "yarn" and cfg.rope_interleave):
+            raise ConfigError("a DeepSeek-V2 export needs rope_interleave=true under rope_type=yarn (transformers' "
+                              "DeepseekV2 always rotates interleaved pairs)")
+        if v3 and cfg.routed_score_func != "sigmoid":
+            raise ConfigError("a DeepSeek-V3 export needs routed_score_func=sigmoid (transformers' DeepseekV3)")
         return {"architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
                 "model_type": "deepseek_v3" if v3 else "deepseek_v2", "hidden_size": cfg.base_emb_dim,
                 "num_attention_heads": cfg.base_num_query_heads, "num_key_value_heads": cfg.base_num_query_heads,
@@ -273,8 +344,9 @@ class DeepSeek(Family):
                 "n_shared_experts": cfg.shared_experts, "scoring_func": cfg.routed_score_func,
                 "norm_topk_prob": bool(cfg.norm_topk_prob), "routed_scaling_factor": cfg.routed_scaling_factor,
                 "topk_method": method, "n_group": cfg.n_routing_groups or 1, "topk_group": cfg.topk_routing_group or 1,
-                "num_nextn_predict_layers": cfg.mtp_num_layers, "hidden_act": "silu", "attention_bias": False,
-                "rope_interleave": True, **_rope_config(cfg)}
+                **({"num_nextn_predict_layers": cfg.mtp_num_layers} if v3 else {}), "hidden_act": "silu",
+                "attention_bias": False, "rope_interleave": bool(cfg.rope_type == "yarn" and cfg.rope_interleave),
+                **rope_config(cfg, mla=True)}
 
 
 FAMILIES = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepSeek, "deepseek_v2": DeepSeek}

@@ -1,9 +1,13 @@
 """Import a Hugging Face checkpoint directory as this trainer's parameters:
 
     python -m MaxText.utils.ckpt_conversion.to_maxtext configs/base.yml hf_model_path=<dir> \\
-        base_output_directory=<out> [model_name=...] [key=value ...]
+        base_output_directory=<out> [model_name=...] [hf_ignore_fields=a,b] [key=value ...]
 
-Reads `<dir>/config.json` and its safetensors (sharded with an index or not; no network): model_type
+Reads `<dir>/config.json` as transformers reads it, in the released checkpoints' schema (transformers 4:
+rope_theta, rope_scaling) or transformers 5's (rope_parameters, renamed fields); a field missing takes the
+default of the family's transformers config class. A field that may change the model and is not understood,
+or two spellings that disagree, is one line naming the field (hf_ignore_fields=<f1>,<f2> accepts fields you
+know leave the function alone); the fields that do not change it are named in one log line. Then its safetensors (sharded with an index or not; no network): model_type
 deepseek_v3 (DeepSeek's FP8 release as it is: float8 weights times their 128x128 weight_scale_inv blocks),
 deepseek_v2, mixtral, qwen3_moe. Writes
 
@@ -16,7 +20,9 @@ With model_name naming a built-in model, config.json must agree with it (the fir
 Every tensor of the directory must have a place in the model and every parameter a tensor; anything else
 is one line naming the tensor, and nothing is written. The MTP layer of DeepSeek's release
 (model.layers.<num_hidden_layers>) is imported when the config keeps mtp_num_layers, skipped (with a line)
-when it is 0.
+when it is 0, or when the checkpoint holds none (transformers saves DeepSeek-V3 without it).
+
+Check an import against transformers with MaxText.utils.ckpt_conversion.check before training from it.
 
 Memory: every name and shape is checked from the headers first (nothing written before); then the params are
 written tensor by tensor (write_items), so the host holds about the largest single tensor, not the model
@@ -45,19 +51,20 @@ from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _split_argv(argv: list[str]) -> tuple[str, str, list[str]]:
-    """(hf_model_path, base_output_directory, the rest for load_config)."""
+def _split_argv(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
+    """(hf_model_path, base_output_directory, hf_ignore_fields, the rest for load_config)."""
     found, rest = {}, []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if sep and key in ("hf_model_path", "base_output_directory"):
+        if sep and key in ("hf_model_path", "base_output_directory", "hf_ignore_fields"):
             found[key] = value
         else:
             rest.append(arg)
     for key in ("hf_model_path", "base_output_directory"):
         if not found.get(key):
             raise ConfigError(f"{key}=<directory> is required")
-    return found["hf_model_path"], found["base_output_directory"], rest
+    ignore = [f for f in found.get("hf_ignore_fields", "").split(",") if f]
+    return found["hf_model_path"], found["base_output_directory"], ignore, rest
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -73,6 +80,18 @@ def read_hf_config(hf_dir: str) -> dict:
         raise ConfigError(f"{path}: model_type={hf.get('model_type')!r} is not one this trainer imports "
                           f"({', '.join(FAMILIES)})")
     return hf
+
+
+def _without_absent_mtp(keys: dict, ckpt: Checkpoint, log) -> dict:
+    """transformers' DeepseekV3ForCausalLM has no MTP layer, so a checkpoint it saved holds none although its
+    config.json keeps num_nextn_predict_layers: such a checkpoint imports without MTP, with a line saying so."""
+    depth = keys.get("mtp_num_layers", 0)
+    prefix = f"model.layers.{keys.get('base_num_decoder_layers')}."
+    if depth and not any(n.startswith(prefix) for n in ckpt.names()):
+        log(f"config.json has num_nextn_predict_layers={depth} but the checkpoint holds no MTP layer ({prefix}*, as "
+            "transformers saves DeepSeek-V3): imported with mtp_num_layers=0")
+        keys = {**keys, "mtp_num_layers": 0}
+    return keys
 
 
 def check_agrees(cfg, keys: dict, model_name: str) -> None:
@@ -245,11 +264,12 @@ def convert(argv: list[str], log=print) -> str:
     from MaxText.checkpointing import CHECKSUMS, ITEM
     from MaxText.state import state_spec
 
-    hf_dir, out_dir, rest = _split_argv(argv)
+    hf_dir, out_dir, ignore, rest = _split_argv(argv)
     hf = read_hf_config(hf_dir)
     ckpt = Checkpoint(hf_dir)
     family = FAMILIES[hf["model_type"]]()
-    keys = family.model_keys(hf)
+    keys = family.model_keys(hf, log, ignore)
+    keys = _without_absent_mtp(keys, ckpt, log)
     out_dir = os.path.abspath(out_dir)
     step_dir = os.path.join(out_dir, "0")
     if os.path.exists(step_dir):
