@@ -258,24 +258,27 @@ def test_export_mistakes_are_one_line(tmp_path, capsys, case, phrase):
     assert err.startswith("error: ") and phrase in err and "\n" not in err, err
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_transformers_loads_the_export_as_the_same_model(tmp_path, family):
-    """Where Hugging Face transformers and PyTorch are installed (neither is a requirement here, so this skips in
-    CI): AutoModelForCausalLM loads the export as the family's own model and its logits equal MaxText.forward's.
-    Run by hand on 2026-12-01 with transformers 5.24.0 and torch 2.14.1 (CPU): max |difference| 2-4e-6."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    config, tensors = hf_tiny.deepseek_v3() if family == "deepseek_v3" else hf_tiny.mixtral_or_qwen3(family)
+def test_parity_command_without_transformers_is_one_line(tmp_path, capsys):
+    """The check needs transformers in some interpreter: one given that lacks it is one line, exit 2 (the runs
+    against transformers itself are in tests/test_hf_transformers.py)."""
+    import importlib.util
+    import sys
+
+    from MaxText.utils.ckpt_conversion import check
+
+    if importlib.util.find_spec("transformers") and importlib.util.find_spec("torch"):
+        pytest.skip("this interpreter has transformers")
+    config, tensors = hf_tiny.mixtral_or_qwen3("mixtral")
     item, out, _ = imported(tmp_path, config, tensors)
-    hf_out, _ = _export(tmp_path, out, item, "hf_dtype=float32")
-    assert transformers.AutoConfig.from_pretrained(str(hf_out)).model_type == family
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_out), dtype=torch.float32).eval()
-    rows = np.random.default_rng(5).integers(0, hf_tiny.V, (2, 12))
-    with torch.no_grad():
-        theirs = model(torch.tensor(rows)).logits.numpy()
-    cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON])
-    ours = forward.model_and_params(cfg, log=lambda *_: None)(rows.astype(np.int32))
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    argv = ["configs/base.yml", f"model_name={out}/model.yml", f"load_parameters_path={item}", *COMMON,
+            f"hf_model_path={tmp_path}/hf"]
+    for extra, phrase in ((f"hf_python={sys.executable}", "cannot import transformers and torch"),
+                          ("check_rows=0", "check_rows=0 must be a whole number")):
+        assert check.main(argv + [extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and phrase in err and "\n" not in err, err
+    assert check.main([*argv[:-1], f"hf_model_path={tmp_path}"]) == 2
+    assert "is not a Hugging Face checkpoint directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- config schemas and rotary layouts
@@ -372,3 +375,17 @@ def test_missing_fields_take_transformers_defaults_and_the_ignored_are_named():
     from MaxText.utils.ckpt_conversion.families import Mixtral
 
     assert Mixtral().model_keys({**config, "fancy": 1}, ignore=["fancy"])["num_experts"] == hf_tiny.E
+
+
+@pytest.mark.parametrize("name", ["deepseek3-671b", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_released_configs_read_as_the_built_in_models(name):
+    """The config.json of each release (tests/data/hf_configs, transcribed field for field) is read without a
+    field left over, and in both schemas (transformers 5 rewrites it with rope_parameters and renamed fields) gives
+    exactly the keys of this trainer's model file of that name."""
+    from MaxText.utils.ckpt_conversion.families import FAMILIES
+
+    release = json.loads(open(os.path.join(os.path.dirname(__file__), "data", "hf_configs", f"{name}.json")).read())
+    family = FAMILIES[release["model_type"]]()
+    keys = family.model_keys(release)
+    assert family.model_keys(hf_tiny.as_v5(release)) == keys
+    to_maxtext.check_agrees(load_config(["configs/base.yml", f"model_name={name}"]), keys, name)

@@ -207,15 +207,17 @@ class Qwen3Moe(Family):
                 "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
                 "num_local_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None, "rope_theta": 10000.0}
     aliases = {"num_local_experts": ("num_experts",)}
-    ignored = frozenset({"sliding_window", "max_window_layers"})  # read by transformers only with use_sliding_window
+    # read by transformers only with use_sliding_window, and for dense layers
+    ignored = frozenset({"sliding_window", "max_window_layers", "intermediate_size"})
 
     def read(self, f, log):
         f.need("use_sliding_window", lambda v: not v, "sliding-window attention is not built here")
         f.need("decoder_sparse_step", lambda v: v == 1, "every layer is MoE here")
         f.need("mlp_only_layers", lambda v: not v, "dense layers are the first ones here")
         _silu_no_bias(f)
-        return {"decoder_block": "qwen3_moe", **_mha_keys(f, log), "base_mlp_dim": f["intermediate_size"],
-                "base_moe_mlp_dim": f["moe_intermediate_size"], "qk_norm": True, "num_experts": f["num_local_experts"],
+        # intermediate_size sizes transformers' dense layers only (mlp_only_layers, decoder_sparse_step): none here
+        moe_dim = f["moe_intermediate_size"]
+        return {"decoder_block": "qwen3_moe", **_mha_keys(f, log), "base_mlp_dim": moe_dim, "base_moe_mlp_dim": moe_dim, "qk_norm": True, "num_experts": f["num_local_experts"],
                 "norm_topk_prob": bool(f["norm_topk_prob"])}
 
     def hf_config(self, cfg):
