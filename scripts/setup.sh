@@ -2,10 +2,22 @@
 # Creates .venv/ in the repository root from a Python 3.12 interpreter (PATH first, then pyenv) and
 # installs requirements.txt into it. Reinstalls only when requirements.txt changed since the last
 # install, so calling it before every command costs well under a second.
+#
+# VENV and REQUIREMENTS (paths relative to the repository root; defaults .venv and requirements.txt)
+# make another venv the same way: scripts/setup_hf.sh sets them for .venv-hf. Only the project's own
+# venv (REQUIREMENTS unset) also reinstalls when pyproject.toml changes; another one only when its
+# requirements file does.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv"
+venv="$root/${VENV:-.venv}"
+requirements="$root/${REQUIREMENTS:-requirements.txt}"
+stamped=("$requirements")
+if [ -z "${REQUIREMENTS:-}" ]; then stamped+=("$root/pyproject.toml"); fi
 stamp="$venv/.requirements.sha256"
+if [ ! -f "$requirements" ]; then
+  echo "setup: $requirements does not exist" >&2
+  exit 1
+fi
 
 is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
 
@@ -39,9 +51,10 @@ if [ ! -x "$venv/bin/python" ] || ! is_py312 "$venv/bin/python"; then
   "$py" -m venv "$venv"
 fi
 
-want="$(sha256sum "$root/requirements.txt" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+# For the project's venv this is the hash it always had, so an existing .venv does not reinstall.
+want="$(sha256sum "${stamped[@]}" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing requirements.txt into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/requirements.txt"
+  echo "setup: installing ${requirements#"$root/"} into $venv" >&2
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
   echo "$want" > "$stamp"
 fi
