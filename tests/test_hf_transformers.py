@@ -20,7 +20,7 @@ TOL = dict(rtol=2e-4, atol=2e-4)
 
 
 def _hf_python():
-    for python in (os.environ.get("HF_PYTHON"), os.path.join(ROOT, ".venv-hf", "bin", "python")):
+    for python in (os.environ.get("HF_PYTHON"), os.path.normpath(check.REPO_HF_PYTHON)):
         if python and os.path.exists(python) and check._has_transformers(python):
             return python
     return None
@@ -55,7 +55,8 @@ def _ours(item, model_yml, rows, *extra):
 
 
 CASES = ["mixtral", "qwen3_moe", "qwen3_moe_yarn", "deepseek_v3_yarn", "deepseek_v3_plain", "deepseek_v3_halves",
-         "deepseek_v3_yarn_mscale0", "deepseek_v3_fp8", "deepseek_v3_fp8_mtp", "mixtral_v4", "qwen3_moe_v4", "deepseek_v3_yarn_v4"]
+         "deepseek_v3_yarn_mscale0", "deepseek_v3_fp8", "deepseek_v3_fp8_mtp", "mixtral_v4", "qwen3_moe_v4",
+         "deepseek_v3_yarn_v4"]
 
 
 @pytest.mark.parametrize("case", CASES)

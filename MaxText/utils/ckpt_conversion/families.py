@@ -8,8 +8,9 @@ stacked on a leading expert axis here; layers are stacked on a leading axis when
 Rotary layouts need no permutation: Mixtral and Qwen3 rotate the halves (x[i], x[i + K/2]) as rope_type
 default does here, and DeepSeek rotates interleaved pairs (rope_interleave, true in its release and in
 transformers' default), which rope_interleave does here under rope_type yarn: a DeepSeek model without YaRN
-imports as rope_type yarn with rope_factor 1 (every frequency as it is), the same function. DeepSeek's MTP projection eh_proj takes [embedding, hidden]; this trainer's takes
-[hidden, embedding], so its two input halves swap.
+imports as rope_type yarn with rope_factor 1 (every frequency as it is), the same function. DeepSeek's MTP
+projection eh_proj takes [embedding, hidden]; this trainer's takes [hidden, embedding], so its two input
+halves swap.
 """
 
 from __future__ import annotations
@@ -130,9 +131,14 @@ class Family(abc.ABC):
     aliases: dict = {}           # field -> its other spellings (transformers 4 and 5, attribute_map)
     ignored: frozenset = frozenset()  # the family's own fields that do not change the function
 
+    def schema(self, model_type: str) -> tuple[dict, dict]:
+        """(defaults, aliases) of this model_type's transformers config class."""
+        return self.defaults, self.aliases
+
     def fields(self, hf: dict, ignore=()) -> Fields:
-        return Fields(hf, hf.get("model_type", self.model_type), self.defaults, self.aliases, self.ignored,
-                      frozenset(ignore))
+        model_type = hf.get("model_type", self.model_type)
+        defaults, aliases = self.schema(model_type)
+        return Fields(hf, model_type, defaults, aliases, self.ignored, frozenset(ignore))
 
     def model_keys(self, hf: dict, log=lambda *_: None, ignore=()) -> dict:
         """config.json as this trainer's model keys: every field read as transformers reads it, or refused."""
@@ -217,7 +223,8 @@ class Qwen3Moe(Family):
         _silu_no_bias(f)
         # intermediate_size sizes transformers' dense layers only (mlp_only_layers, decoder_sparse_step): none here
         moe_dim = f["moe_intermediate_size"]
-        return {"decoder_block": "qwen3_moe", **_mha_keys(f, log), "base_mlp_dim": moe_dim, "base_moe_mlp_dim": moe_dim, "qk_norm": True, "num_experts": f["num_local_experts"],
+        return {"decoder_block": "qwen3_moe", **_mha_keys(f, log), "base_mlp_dim": moe_dim,
+                "base_moe_mlp_dim": moe_dim, "qk_norm": True, "num_experts": f["num_local_experts"],
                 "norm_topk_prob": bool(f["norm_topk_prob"])}
 
     def hf_config(self, cfg):
@@ -231,7 +238,6 @@ class Qwen3Moe(Family):
 
 _DEEPSEEK_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6,
                       "tie_word_embeddings": False, "rope_theta": 10000.0, "moe_layer_freq": 1}
-_DEEPSEEK_IGNORED = frozenset({"num_key_value_heads", "head_dim", "qk_head_dim"})  # MLA: unused or derived
 
 
 class DeepSeek(Family):
@@ -253,14 +259,13 @@ class DeepSeek(Family):
           "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None, "moe_intermediate_size": 1407,
           "max_position_embeddings": 2048, "mlp_bias": False, "rope_interleave": True, "scoring_func": "softmax",
           "num_nextn_predict_layers": 0}
-    ignored = _DEEPSEEK_IGNORED
+    ignored = frozenset({"num_key_value_heads", "head_dim", "qk_head_dim"})  # MLA: unused or derived
 
-    def fields(self, hf, ignore=()):
-        v3 = hf.get("model_type", "deepseek_v3") == "deepseek_v3"
-        aliases = ({"n_routed_experts": ("num_local_experts",), "num_nextn_predict_layers": ("num_mtp_layers",)}
-                   if v3 else {"n_routed_experts": ("num_experts",)})
-        return Fields(hf, hf.get("model_type", self.model_type), self.V3 if v3 else self.V2, aliases, self.ignored,
-                      frozenset(ignore))
+    def schema(self, model_type):
+        if model_type == "deepseek_v3":
+            return self.V3, {"n_routed_experts": ("num_local_experts",),
+                             "num_nextn_predict_layers": ("num_mtp_layers",)}
+        return self.V2, {"n_routed_experts": ("num_experts",)}
 
     def attention(self, cfg):
         h = cfg.base_num_query_heads

@@ -22,6 +22,7 @@ import json
 import math
 
 from MaxText.config import ConfigError
+from MaxText.layers.rope import yarn_mscale
 
 # Fields of transformers' PreTrainedConfig (4 and 5) and the releases that never change the logits of a token
 # row: names, dtype hints, token ids, caches, initialisation, training-only losses and noise, parallel sizes.
@@ -60,9 +61,6 @@ class Fields:
 
     def spellings(self, name: str) -> tuple:
         return (name, *self.aliases.get(name, ()))
-
-    def has(self, name: str) -> bool:
-        return any(s in self.hf for s in self.spellings(name))
 
     def __getitem__(self, name: str):
         present = [(s, self.hf[s]) for s in self.spellings(name) if s in self.hf]
@@ -137,11 +135,6 @@ def _scaling_dict(f: Fields) -> dict:
     return merged
 
 
-def _mscale(scale: float, m: float = 1.0) -> float:
-    """YaRN's temperature 0.1 m ln(scale) + 1 (1 when not extending)."""
-    return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
-
-
 def rope_keys(f: Fields, mla: bool, interleave: bool, log) -> dict:
     """The rotary embedding of config.json as this trainer's keys (rope_type, rope_max_timescale and YaRN's)."""
     rope = _scaling_dict(f)
@@ -182,9 +175,10 @@ def rope_keys(f: Fields, mla: bool, interleave: bool, log) -> dict:
     mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
     attention = rope.get("attention_factor")
     if attention is None:
-        attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all
-                     else _mscale(factor))
-    keys.update(rope_type="yarn", rope_interleave=interleave, rope_factor=factor, original_max_position_embeddings=original,
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor, 1.0))
+    keys.update(rope_type="yarn", rope_interleave=interleave, rope_factor=factor,
+                original_max_position_embeddings=original,
                 beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                 rope_attention_factor=float(attention))
     if mla:  # DeepSeek's attention: softmax scale x (0.1 mscale_all_dim ln(factor) + 1)^2, none without it
@@ -209,7 +203,8 @@ def rope_config(cfg, mla: bool) -> dict:
         # choose mscale so that its ratio is this config's factor.
         m_all = float(cfg.mscale)
         scaling["mscale_all_dim"] = m_all
-        scaling["mscale"] = (attention * _mscale(factor, m_all) - 1) / (0.1 * math.log(factor)) if factor > 1 else 1.0
+        scaling["mscale"] = ((attention * yarn_mscale(factor, m_all) - 1) / (0.1 * math.log(factor)) if factor > 1
+                             else 1.0)
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": theta},
             # transformers checks the context length against factor x the original
             "max_position_embeddings": int(round(cfg.original_max_position_embeddings * factor))}

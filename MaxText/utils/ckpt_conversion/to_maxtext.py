@@ -7,8 +7,8 @@ Reads `<dir>/config.json` as transformers reads it, in the released checkpoints'
 rope_theta, rope_scaling) or transformers 5's (rope_parameters, renamed fields); a field missing takes the
 default of the family's transformers config class. A field that may change the model and is not understood,
 or two spellings that disagree, is one line naming the field (hf_ignore_fields=<f1>,<f2> accepts fields you
-know leave the function alone); the fields that do not change it are named in one log line. Then its safetensors (sharded with an index or not; no network): model_type
-deepseek_v3 (DeepSeek's FP8 release as it is: float8 weights times their 128x128 weight_scale_inv blocks),
+know leave the function alone); the fields that do not change it are named in one log line. Then its
+safetensors (sharded with an index or not; no network): model_type deepseek_v3 (DeepSeek's FP8 release as it is: float8 weights times their 128x128 weight_scale_inv blocks),
 deepseek_v2, mixtral, qwen3_moe. Writes
 
     <out>/model.yml           the model keys derived from config.json (usable as model_name=<out>/model.yml)
