@@ -29,6 +29,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 
 import orbax.checkpoint as ocp
@@ -411,6 +412,9 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     biases (`nnx_aux`) are read when this model has them and the checkpoint holds them: a DeepSeek-style model
     whose bias restarted at zero would route every token differently at step 0."""
     path = _item_dir(path, "load_parameters_path")
+    if any(name.startswith(UPSTREAM_TREE) for name in _saved_names(path)):
+        raise ConfigError(f"load_parameters_path={path} is upstream MaxText's parameter tree (params/params/decoder/"
+                          f"...), not this trainer's: {UPSTREAM_CONVERSION}")
     item = {"params": abstract_params}
     if abstract_aux is not None and "nnx_aux" in _top_level_items(path):
         item["nnx_aux"] = abstract_aux
@@ -426,8 +430,39 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     absent.sort(key=lambda name: not name.startswith("['params']"))
     if absent:
         raise ConfigError(f"load_parameters_path={path} holds no {absent[0]} ({len(absent)} parameters this config "
-                          "needs are not in it); use the config it was written for (e.g. mtp_num_layers)")
+                          f"needs are not in it); {_absent_reason(path, absent)}")
     return restored["params"], restored.get("nnx_aux")
+
+
+def _saved_names(path: str) -> list[str]:
+    """Every array's key path in an item directory, dot-joined (from Orbax's _METADATA)."""
+    with open(os.path.join(path, "_METADATA")) as f:
+        tree = json.load(f).get("tree_metadata", {})
+    return [".".join(str(k["key"]) for k in entry.get("key_metadata", ())) for entry in tree.values()]
+
+
+# Upstream MaxText's parameter tree (its Orbax items hold params/params/decoder/..., token_embedder beside it), and
+# the way to bring one here until a direct converter exists.
+UPSTREAM_TREE = ("params.params.decoder.", "params.decoder.")
+UPSTREAM_CONVERSION = ("convert it with upstream's python -m maxtext.checkpoint_conversion.to_huggingface, then import "
+                       "that directory with python -m MaxText.utils.ckpt_conversion.to_maxtext")
+
+
+def _absent_reason(path: str, absent: list[str]) -> str:
+    """Why a checkpoint lacks parameters this config needs, as far as its own names tell: the other scan_layers
+    layout, or no MTP depths; else which config to use."""
+    saved = _saved_names(path)
+    unrolled = any(".layers_0." in name for name in saved)
+    stacked = any(re.search(r"_layers\.layers\.", name) for name in saved)
+    wants_stacked = any("['layers']" in name for name in absent)
+    wants_unrolled = any(re.search(r"\['layers_\d+'\]", name) for name in absent)
+    if wants_stacked and unrolled and not stacked:
+        return "it was written with scan_layers=false (one entry per layer): set scan_layers=false"
+    if wants_unrolled and stacked and not unrolled:
+        return "it was written with scan_layers=true (layers stacked on one axis): set scan_layers=true"
+    if all("['mtp']" in name for name in absent) and not any(name.startswith("params.mtp.") for name in saved):
+        return "it has no Multi-Token Prediction depths: set mtp_num_layers=0"
+    return "use the config it was written for (model_name and the model keys)"
 
 
 def _top_level_items(path: str) -> set[str]:

@@ -1,10 +1,12 @@
 """Configuration: a YAML chain plus `key=value` overrides, loaded into a locked ConfigDict.
 
-Order of precedence, lowest first:
+Order of precedence, lowest first (upstream MaxText's):
   1. configs/base.yml (every key, with its default);
-  2. configs/models/<model_name>.yml, when `model_name` is set anywhere below;
-  3. the YAML files of the chain named on the command line (`base_config:` links, root last applied first);
+  2. the YAML files of the chain named on the command line (`base_config:` links, root first);
+  3. the model file of `model_name` (configs/models/<model_name>.yml, or a path), when set in 2 or 4;
   4. `key=value` arguments.
+A key that 2 or 4 sets and the model file sets otherwise is an error unless override_model_config=true
+(_model_layer says exactly when).
 A value is parsed to the type of its default in base.yml (keys whose default is null are typed in
 OPTIONAL_KEY_TYPES). The cross-key checks are MaxText/config_checks.py's; each raises ConfigError naming the
 keys. Loading touches no JAX device, network or output directory.
@@ -114,7 +116,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 
 def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """The files of a `base_config:` chain, root first, each as (path, values without base_config)."""
+    """The files of a `base_config:` chain, root first, each as (path, values without base_config). A relative
+    base_config is found beside the file naming it, else in configs/ (as upstream falls back to its own)."""
     chain: list[tuple[str, dict[str, Any]]] = []
     seen = set()
     while path is not None:
@@ -126,11 +129,30 @@ def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
         parent = values.pop("base_config", None)
         chain.append((path, values))
         if parent is not None:
-            parent = os.path.join(os.path.dirname(path), str(parent))
+            beside = os.path.join(os.path.dirname(path), str(parent))
+            parent = beside if os.path.isfile(beside) else os.path.join(CONFIG_DIR, str(parent))
             if not os.path.isfile(parent):
-                raise ConfigError(f"base_config: {parent} (named in {path}) does not exist")
+                raise ConfigError(f"base_config: {beside} (named in {path}) does not exist, nor does {parent}")
         path = parent
     return chain[::-1]
+
+
+# Where upstream's commands name its configs folder; a path there that does not exist is read from ours.
+UPSTREAM_CONFIG_DIRS = ("MaxText/configs/", "src/maxtext/configs/", "src/MaxText/configs/", "maxtext/configs/")
+
+
+def _config_path(path: str) -> str:
+    """The config file a command names: the path itself, or for upstream's `MaxText/configs/base.yml` and
+    `src/maxtext/configs/...` forms (absent here) the same file under configs/, with a log line."""
+    if os.path.isfile(path):
+        return path
+    for prefix in UPSTREAM_CONFIG_DIRS:
+        if prefix in path.replace(os.sep, "/"):
+            ours = os.path.join(CONFIG_DIR, path.replace(os.sep, "/").split(prefix, 1)[1])
+            if os.path.isfile(ours):
+                logging.warning("config: %s is MaxText's path of a config; using %s", path, ours)
+                return ours
+    return path
 
 
 def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
@@ -166,6 +188,8 @@ def _command_line_scalar(want: type, value: str) -> Any:
             return value
     if want is bool and text.lower() in _BOOLS:
         return _BOOLS[text.lower()]
+    if want is bool and text in ("1", "0"):  # upstream's pydantic config reads 1/0 as booleans
+        return text == "1"
     return value
 
 
@@ -204,6 +228,8 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
                           f"e.g. {key}={default}")
     ok = False
     if want is bool:
+        if value in (0, 1) and not isinstance(value, (bool, float)):  # 1/0 in YAML, as upstream reads them
+            value = bool(value)
         ok = isinstance(value, bool)
     elif want is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
@@ -230,17 +256,108 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
     return value
 
 
+def _value(key: str, value: Any, defaults: dict[str, Any], origin: str) -> Any:
+    """One key's value as the config will hold it: parsed to its type (upstream's type for upstream's keys this
+    trainer does not have), MaxText's -1 for "unset" read as null. An unknown key is an error."""
+    if key in defaults:
+        parsed = _coerce(key, value, defaults[key], origin)
+        return None if key in MINUS_ONE_IS_UNSET and parsed == -1 else parsed
+    if key in upstream.upstream_defaults():
+        return upstream.parse_value(key, value, origin)
+    raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
+
+
 def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str,
            foreign: dict[str, tuple[Any, str]]) -> None:
     """Merges one layer's values into `values`; upstream MaxText keys this trainer does not have go to `foreign`
     ({key: (value, origin)}) for upstream.apply."""
     for key, value in layer.items():
         if key in defaults:
-            values[key] = _coerce(key, value, defaults[key], origin)
-        elif key in upstream.upstream_defaults():
-            foreign[key] = (upstream.parse_value(key, value, origin), origin)
+            values[key] = _value(key, value, defaults, origin)
         else:
-            raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
+            foreign[key] = (_value(key, value, defaults, origin), origin)
+
+
+def _model_file(model_name: str, config_path: str) -> str:
+    """The file of `model_name`: an explicit .yml path, else <name>.yml under the config's models/ folder, its
+    parent's, or configs/models/ (upstream's search order)."""
+    if model_name.endswith((".yml", ".yaml")):  # a model file anywhere, given by its path
+        if not os.path.isfile(model_name):
+            raise ConfigError(f"model_name={_clip(model_name)}: no such file")
+        return model_name
+    if not PLAIN_NAME.fullmatch(model_name):
+        raise ConfigError(f"model_name={_clip(model_name)} is not a name under configs/models/ (letters, digits, "
+                          "'.', '_', '-'); give a .yml path for a model file elsewhere")
+    here = os.path.dirname(os.path.abspath(config_path))
+    for folder in (here, os.path.dirname(here), CONFIG_DIR):
+        path = os.path.join(folder, "models", f"{model_name}.yml")
+        if os.path.isfile(path):
+            return path
+    models_dir = os.path.join(CONFIG_DIR, "models")
+    known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
+    raise ConfigError(f"model_name={model_name}: no file {os.path.join(models_dir, model_name + '.yml')}"
+                      f"{_nearest(model_name, known)}")
+
+
+def _override_model_config(chain, overrides: dict[str, str], defaults: dict[str, Any]) -> bool:
+    """override_model_config as the command line, else the last config file setting it, gives it."""
+    if "override_model_config" in overrides:
+        return _value("override_model_config", overrides["override_model_config"], defaults, COMMAND_LINE)
+    for path, layer in reversed(chain):
+        if "override_model_config" in layer:
+            return _value("override_model_config", layer["override_model_config"], defaults, f"in {path}")
+    return defaults["override_model_config"]
+
+
+def _model_layer(model_path: str, model: dict[str, Any], chain, root: bool, overrides: dict[str, str],
+                 defaults: dict[str, Any], override: bool) -> dict[str, Any]:
+    """The model file's values that apply over the config chain: upstream's precedence (config files, then the
+    model file, then the command line) and its conflict rule. A command-line key the model file sets otherwise
+    is an error unless override_model_config=true. So is a config-file key the model file sets otherwise
+    (upstream would drop it without a word), unless it is a default in the chain's root file (`root`: a file
+    naming no base_config, such as a copy of upstream's base.yml): with override_model_config=true the config
+    file's value stands, with a log line."""
+    keep = dict(model)
+    here = f"in {model_path}"
+    for key, raw in model.items():
+        mine = _value(key, raw, defaults, here)
+        if key in overrides:
+            theirs = _value(key, overrides[key], defaults, COMMAND_LINE)
+            if theirs != mine and not override:
+                raise ConfigError(
+                    f"{key}={upstream.show(theirs)} on the command line conflicts with {key}: {upstream.show(mine)} "
+                    f"in the model file {model_path}; as in MaxText, add override_model_config=true to use "
+                    f"{upstream.show(theirs)}, or drop it")
+            continue
+        setter = next(((i, p, layer) for i, (p, layer) in reversed(list(enumerate(chain))) if key in layer), None)
+        if setter is None:
+            continue
+        index, path, layer = setter
+        theirs = _value(key, layer[key], defaults, f"in {path}")
+        if theirs == mine:
+            continue
+        base_default = root and index == 0 and theirs in (defaults.get(key), _upstream_default(key, defaults))
+        if base_default:
+            continue
+        if not override:
+            raise ConfigError(
+                f"{key}: {upstream.show(theirs)} in {path} conflicts with {key}: {upstream.show(mine)} in the model "
+                f"file {model_path}, which MaxText applies over config files (and would keep); set "
+                f"override_model_config: true to use {upstream.show(theirs)}, or drop it from {os.path.basename(path)}")
+        logging.warning("config: override_model_config=true: %s=%s from %s replaces %s=%s of the model file %s",
+                        key, upstream.show(theirs), path, key, upstream.show(mine), model_path)
+        del keep[key]
+    return keep
+
+
+def _upstream_default(key: str, defaults: dict[str, Any]) -> Any:
+    """Upstream's default of `key` as this config would hold it (None where it does not parse as ours)."""
+    if key not in upstream.upstream_defaults():
+        return None
+    try:
+        return _value(key, upstream.upstream_defaults()[key], defaults, "MaxText's default")
+    except ConfigError:
+        return None
 
 
 def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
@@ -251,7 +368,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     argv = list(argv)
     config_path = BASE_CONFIG
     if argv and "=" not in argv[0] and argv[0].endswith((".yml", ".yaml")):
-        config_path = argv.pop(0)
+        config_path = _config_path(argv.pop(0))
     overrides = _parse_overrides(argv)
 
     base_path = os.path.abspath(BASE_CONFIG)
@@ -260,42 +377,37 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     for key, default in defaults.items():
         assert default is not None or key in OPTIONAL_KEY_TYPES, f"base.yml: type of null key {key} unknown"
 
-    chain = [(p, v) for p, v in _yaml_chain(config_path) if p != base_path]
+    whole_chain = _yaml_chain(config_path)
+    chain = [(p, v) for p, v in whole_chain if p != base_path]
+    root = whole_chain[0][0] != base_path  # the chain's root is a file of the user's (maybe a copy of base.yml)
     values = dict(defaults)
-    files: list[tuple[str, dict[str, Any]]] = list(chain)
+    foreign: dict[str, tuple[Any, str]] = {}
+    for path, layer in chain:
+        _merge(values, layer, defaults, f"in {path}", foreign)
+    explicit = set(overrides).union(*(layer for _, layer in chain))
 
     model_name = overrides.get("model_name")
     if model_name is None:
         for _, layer in chain:
             model_name = layer.get("model_name", model_name)
     if model_name not in (None, "", "null", "default"):
-        model_name = str(model_name)
-        explicit = model_name.endswith((".yml", ".yaml"))  # a model file anywhere, given by its path
-        if not explicit and not PLAIN_NAME.fullmatch(model_name):
-            raise ConfigError(f"model_name={_clip(model_name)} is not a name under configs/models/ (letters, digits, "
-                              "'.', '_', '-'); give a .yml path for a model file elsewhere")
-        model_path = model_name if explicit else os.path.join(CONFIG_DIR, "models", f"{model_name}.yml")
-        if explicit and not os.path.isfile(model_path):
-            raise ConfigError(f"model_name={_clip(model_name)}: no such file")
-        if not os.path.isfile(model_path):
-            models_dir = os.path.join(CONFIG_DIR, "models")
-            known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) \
-                if os.path.isdir(models_dir) else []
-            raise ConfigError(f"model_name={model_name}: no file {model_path}{_nearest(str(model_name), known)}")
-        files.insert(0, (model_path, _read_yaml(model_path)))
-
-    foreign: dict[str, tuple[Any, str]] = {}
-    for path, layer in files:
-        _merge(values, layer, defaults, f"in {path}", foreign)
+        model_path = _model_file(str(model_name), config_path)
+        model = _read_yaml(model_path)
+        upstream.check_model_file(model_path, model)
+        override = _override_model_config(chain, overrides, defaults)
+        _merge(values, _model_layer(model_path, model, chain, root, overrides, defaults, override), defaults,
+               f"in {model_path}", foreign)
+        upstream.model_defaults(values, set(model) | explicit, model_path)
+        explicit |= set(model)
     _merge(values, overrides, defaults, COMMAND_LINE, foreign)
-    explicit = set(overrides).union(*(layer for _, layer in files))
     upstream.apply(values, defaults, foreign, explicit)
     _map_upstream_spellings(values, "moe_impl" in explicit)
     if values["model_name"] == "default":  # upstream's name for "no model file"
         values["model_name"] = None
-    for key in MINUS_ONE_IS_UNSET:
-        if values[key] == -1:
-            values[key] = None
+    if values["base_output_directory"] == "":  # upstream's empty value: ./maxtext_output, as upstream infers it
+        values["base_output_directory"] = "maxtext_output"
+        logging.warning("config: base_output_directory is empty, as in MaxText's base.yml; using ./maxtext_output as "
+                        "MaxText does")
 
     cfg = ml_collections.ConfigDict(values, type_safe=False)
     validate(cfg)

@@ -80,16 +80,52 @@ def _scalar(value):
     return arr.item() if arr.ndim == 0 else arr.tolist()
 
 
+# TensorBoard tags as upstream MaxText writes them (its metric_logger), so a MaxText dashboard shows a run as it
+# is; a record key upstream has no tag for keeps its own name. Upstream counts steps from 0 (the first update is
+# step 0, and an eval after it too), so events go at this trainer's step - 1; metrics.jsonl keeps our numbering.
+TB_TAGS = {
+    "loss": "learning/loss", "lm_loss": "learning/lm_loss", "mtp_loss": "learning/mtp_loss",
+    "moe_aux_loss": "learning/moe_lb_loss", "moe_z_loss": "learning/z_loss", "grad_norm": "learning/grad_norm",
+    "learning_rate": "learning/current_learning_rate", "step_time_s": "perf/step_time_seconds",
+    "tokens_per_s_per_device": "perf/per_device_tokens_per_sec", "tflops_per_device": "perf/per_device_tflops_per_sec",
+    "eval_loss": "eval/avg_loss", "eval_perplexity": "eval/avg_perplexity", "eval_tokens": "eval/total_weights",
+}
+
+
+def tensorboard_scalars(record: dict) -> dict:
+    """{tag: value} of a record's scalars as TensorBoard gets them: upstream's tags (TB_TAGS), plus upstream's
+    learning/moe_max_load_ratio and _mean (the worst and the mean over MoE layers of max / mean expert load)."""
+    out = {TB_TAGS.get(k, k): v for k, v in record.items() if k != "step" and v is not None}
+    ratio = record.get("moe_load_max_over_mean")
+    if ratio:
+        out["learning/moe_max_load_ratio"] = float(np.max(ratio))
+        out["learning/moe_max_load_ratio_mean"] = float(np.mean(ratio))
+    return out
+
+
+def save_config(path: str, config: dict) -> None:
+    """The run's resolved config as YAML (every key; what MaxText.report reads the layer numbering from), written
+    to a new file of an unpredictable name and renamed over `path`."""
+    import yaml
+
+    temporary = f"{path}.{secrets.token_hex(4)}.tmp"
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+        yaml.safe_dump(config, f, sort_keys=True)
+    os.replace(temporary, path)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to <run>/metrics/metrics.jsonl and mirrors the scalars to
     TensorBoard events under <run>/tensorboard. Only process 0 writes."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool, primary: bool = True):
+    def __init__(self, run_dir: str, *, tensorboard: bool, primary: bool = True, config: dict | None = None):
         self.primary = primary
         self.tb = None
         if not primary:
             return
         os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+        if config is not None:
+            save_config(os.path.join(run_dir, "metrics", "config.yml"), config)
         # Never through a symlink: the run's own file, not one it points elsewhere.
         path = os.path.join(run_dir, "metrics", "metrics.jsonl")
         try:
@@ -103,25 +139,25 @@ class MetricsWriter:
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{secrets.token_hex(4)}")
 
     def write(self, step: int, metrics: dict) -> dict:
-        """Writes the metrics of `step`. Arrays become lists in JSON; in TensorBoard a per-layer array [L]
-        becomes scalars `<key>/layer_<i>` and a per-layer per-expert array [L, E] one histogram per layer."""
+        """Writes the metrics of `step`. Arrays become lists in JSON; in TensorBoard (upstream's tags and step
+        count, TB_TAGS) a per-layer array [L] becomes scalars `<key>/layer_<i>` and a per-layer per-expert array
+        [L, E] one histogram per layer."""
         record = {"step": int(step), **{key: _scalar(v) for key, v in metrics.items()}}
         if not self.primary:
             return record
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for key, value in record.items():
-                if key == "step" or value is None:
-                    continue
+            at = int(step) - 1  # upstream's step count (TB_TAGS)
+            for key, value in tensorboard_scalars(record).items():
                 if not isinstance(value, list):
-                    self.tb.add_scalar(key, value, step)
+                    self.tb.add_scalar(key, value, at)
                     continue
                 for layer, row in enumerate(value):
                     if isinstance(row, list):
-                        self.tb.add_histogram(f"{key}/layer_{layer}", np.asarray(row), step)
+                        self.tb.add_histogram(f"{key}/layer_{layer}", np.asarray(row), at)
                     else:
-                        self.tb.add_scalar(f"{key}/layer_{layer}", row, step)
+                        self.tb.add_scalar(f"{key}/layer_{layer}", row, at)
             self.tb.flush()
         return record
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from typing import NamedTuple
 
@@ -320,6 +321,14 @@ def default_hbm_gib():
     return next((g for name, g in KNOWN_HBM_GIB.items() if name in device.device_kind), None)
 
 
+def host_memory_gib() -> float | None:
+    """This host's physical memory (GiB), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def planned_devices(cfg) -> int:
     """num_devices; else the product of the parallelism sizes when none is -1; else the visible devices."""
     if cfg.num_devices:
@@ -339,10 +348,14 @@ def device_bytes(cfg, spec, mesh_shape: dict, num_devices: int) -> tuple[dict, d
 
 
 def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
-    """The trainer's start-up check against the local device's memory (else hbm_gib; neither: no check).
+    """The trainer's start-up check against the local device's memory, else hbm_gib, else on CPU the host's memory
+    shared by its CPU devices.
     ConfigError with the estimate and the limit when even the estimate less ESTIMATE_MARGIN does not fit (XLA
     would fail or hang allocating); a warning line when the estimate alone exceeds HEADROOM of it."""
-    hbm = default_hbm_gib() or cfg.hbm_gib
+    hbm, has = default_hbm_gib() or cfg.hbm_gib, "a device has"
+    if not hbm and jax.devices()[0].platform == "cpu":  # CPU devices share the host's memory
+        host, local = host_memory_gib(), jax.local_device_count()
+        hbm, has = (host / local if host else None), f"this host's {host:.3g} GiB over {local} CPU devices gives each"
     if not hbm:
         return
     memory = device_bytes(cfg, spec, mesh_shape, num_devices)[0]
@@ -351,7 +364,7 @@ def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
     parts = f"params, gradients and optimizer {state / GIB:.3g}, activations {memory['activations'] / GIB:.3g}"
     if total * (1 - ESTIMATE_MARGIN) > limit:
         raise ConfigError(
-            f"this run needs about {total / GIB:.3g} GiB per device ({parts}) and a device has {hbm:.3g} GiB "
+            f"this run needs about {total / GIB:.3g} GiB per device ({parts}) and {has} {hbm:.3g} GiB "
             f"(even {ESTIMATE_MARGIN:.0%} less would not fit); lower per_device_batch_size, spread the model over "
             "more devices or offload more (python -m MaxText.plan with the same arguments shows the parts)")
     if total > limit * HEADROOM:

@@ -8,6 +8,9 @@ Reads <run_dir>/metrics/metrics.jsonl and writes PNG plots beside it (or into --
                    load, on a log colour scale centred at 1 (balanced); below, max/mean load per layer
   moe_balance.png  per MoE layer (MTP depths last): dropped fraction, dropped slots, router entropy; eval as markers
 
+Layers are named by their decoder layer (from 0, as checkpoints number them) or MTP depth, from the config the
+trainer saved beside the metrics (metrics/config.yml).
+
 A plot whose data the run did not log is skipped with a note (a dense model has no expert load). A resumed run
 appends to the same file, so a step can appear more than once (the steps redone after the last checkpoint):
 for each step the last record in the file wins, train and eval records separately.
@@ -127,18 +130,30 @@ def _edges(steps: np.ndarray) -> np.ndarray:
     return np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
 
 
-def _plot_layers(ax, steps, values_LS, label: str):
+def layer_names(run_config: dict | None, layers: int) -> list[str]:
+    """The name of each MoE layer of the per-layer lists (decoder layers first, then the MTP depths'): its decoder
+    layer, counted from 0 as checkpoints and Hugging Face number them (decoder layer 1 is DeepSeek's first MoE
+    layer), or its MTP depth; from the run's metrics/config.yml, else "MoE layer <i>"."""
+    if not run_config or run_config.get("num_experts", 1) <= 1:
+        return [f"MoE layer {i}" for i in range(layers)]
+    first = run_config.get("first_num_dense_layers", 0)
+    decoder = run_config.get("base_num_decoder_layers", layers) - first
+    return [f"decoder layer {first + i}" if i < decoder else f"MTP depth {i - decoder + 1}" for i in range(layers)]
+
+
+def _plot_layers(ax, steps, values_LS, label: str, names=None):
     """One line per MoE layer; a legend for a few layers, else colour by layer depth with a colorbar."""
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
     layers = values_LS.shape[0]
+    names = names or layer_names(None, layers)
     cmap = colormaps["viridis"]
     for layer in range(layers):
         color = cmap(layer / max(layers - 1, 1)) if layers > 8 else None
         ax.plot(steps, values_LS[layer], marker="." if len(steps) < 30 else None, color=color,
-                label=f"MoE layer {layer}")
+                label=names[layer])
     ax.set_ylabel(label)
     if layers <= 8:
         ax.legend(fontsize="small", ncols=min(layers, 4))
@@ -191,7 +206,7 @@ def plot_throughput(train: list[dict], path: str) -> str:
     return _save(fig, path)
 
 
-def plot_expert_load(train: list[dict], path: str) -> str:
+def plot_expert_load(train: list[dict], path: str, run_config: dict | None = None) -> str:
     """A heatmap per MoE layer of each expert's load over the layer's mean load (share x E) on a log colour
     scale centred at 1, and below them every layer's max/mean load as a line over the same steps."""
     from matplotlib.colors import LogNorm
@@ -200,6 +215,7 @@ def plot_expert_load(train: list[dict], path: str) -> str:
 
     steps, share_LES = expert_load_matrix(train)
     layers, experts, _ = share_LES.shape
+    names = layer_names(run_config, layers)
     ratio_LES = share_LES * experts  # load / mean load: 1 = balanced, 2 = twice its fair share
     # Symmetric in log space (a cold expert at 1/r as deep a colour as a hot one at r), at least 1/2..2 so
     # that noise around balance stays pale, at most 1/16..16; beyond it (an expert with no tokens) clips.
@@ -217,7 +233,7 @@ def plot_expert_load(train: list[dict], path: str) -> str:
     for layer in range(layers):
         ax = fig.add_subplot(grid[layer // cols, layer % cols])
         mesh = ax.pcolormesh(x_edges, y_edges, np.clip(ratio_LES[layer], 1 / r, r), norm=norm, cmap="RdBu_r")
-        ax.set_title(f"MoE layer {layer}", fontsize="medium")
+        ax.set_title(names[layer], fontsize="medium")
         ax.set_ylabel("expert")
         ax.xaxis.set_major_locator(MaxNLocator(4 if cols > 1 else "auto", integer=True, steps=[1, 2, 5, 10]))
         if experts <= 16:
@@ -228,7 +244,7 @@ def plot_expert_load(train: list[dict], path: str) -> str:
     ticks = [2.0 ** k for k in range(-4, 5) if 1 / r <= 2.0 ** k <= r]
     bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     bar.minorticks_off()
-    _plot_layers(lines, steps, ratio_LES.max(axis=1), "max / mean expert load")
+    _plot_layers(lines, steps, ratio_LES.max(axis=1), "max / mean expert load", names)
     lines.axhline(1.0, color="grey", lw=0.8)
     lines.set_xlim(x_edges[0], x_edges[-1])
     lines.set_xlabel("step")
@@ -246,17 +262,18 @@ BALANCE_KEYS = (("moe_dropped_fraction", "dropped fraction of token-slots"),
                 ("moe_router_entropy", "router entropy (nats)"))
 
 
-def plot_moe_balance(train: list[dict], path: str, evals: list[dict] = ()) -> str | None:
+def plot_moe_balance(train: list[dict], path: str, evals: list[dict] = (),
+                     run_config: dict | None = None) -> str | None:
     """Dropped fraction, dropped (overflowed) slots and router entropy per MoE layer (the MTP depths' layers
-    last), every impl alike; evaluation's dropped fraction and slots as black markers. None when none of
-    them was logged."""
+    last), every impl alike; evaluation's dropped fraction and slots (of the decoder's MoE layers: evaluation
+    runs no MTP) as black markers. None when none of them was logged."""
     present = [(key, label) for key, label in BALANCE_KEYS if any(isinstance(r.get(key), list) for r in train)]
     if not present:
         return None
     fig, axes = _figure(len(present), row_height=2.6)
     for ax, (key, label) in zip(axes[:, 0], present):
         steps, values_LS = layer_series(train, key)
-        _plot_layers(ax, steps, values_LS, label)
+        _plot_layers(ax, steps, values_LS, label, layer_names(run_config, values_LS.shape[0]))
         eval_steps, eval_LS = layer_series(list(evals), "eval_" + key)
         for layer_values in eval_LS:
             ax.plot(eval_steps, layer_values, "o", color="black", markersize=3)
@@ -264,14 +281,28 @@ def plot_moe_balance(train: list[dict], path: str, evals: list[dict] = ()) -> st
             marker = ax.plot([], [], "o", color="black", markersize=3, label="eval (each layer)")[0]
             layers = values_LS.shape[0]  # a legend of the layers too when _plot_layers gave them one
             ax.legend(**({"ncols": min(layers + 1, 4)} if layers <= 8 else {"handles": [marker]}), fontsize="small")
-        values_LS = np.concatenate([values_LS, eval_LS], axis=1) if eval_LS.size else values_LS
-        ax.set_title(key + (" (zero at every step)" if not np.any(values_LS) else ""), fontsize="medium")
+        zero = not np.any(values_LS) and not np.any(eval_LS)
+        ax.set_title(key + (" (zero at every step)" if zero else ""), fontsize="medium")
         if key != "moe_router_entropy":
             ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.suptitle("MoE balance per layer")
     return _save(fig, path)
+
+
+def read_run_config(path: str) -> dict | None:
+    """The run's resolved config as the trainer saved it (metrics/config.yml), or None (an older run)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ReportError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return data if isinstance(data, dict) else None
 
 
 def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str]:
@@ -282,6 +313,7 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
         raise ReportError(f"run directory {run_dir} does not exist")
     metrics_path = os.path.join(run_dir, "metrics", "metrics.jsonl")
     train, evals = read_records(metrics_path)
+    run_config = read_run_config(os.path.join(run_dir, "metrics", "config.yml"))
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -294,8 +326,8 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
     else:
         log("note: no throughput logged; throughput.png skipped")
     if len(expert_load_matrix(train)[0]):
-        written.append(plot_expert_load(train, os.path.join(out_dir, "expert_load.png")))
-        balance = plot_moe_balance(train, os.path.join(out_dir, "moe_balance.png"), evals)
+        written.append(plot_expert_load(train, os.path.join(out_dir, "expert_load.png"), run_config))
+        balance = plot_moe_balance(train, os.path.join(out_dir, "moe_balance.png"), evals, run_config)
         if balance:
             written.append(balance)
     else:

@@ -437,7 +437,8 @@ def validate() -> list[dict]:
 
     rows = []
     for run in VALIDATION:
-        cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b", f"max_target_length={run.layout.seq}",
+        cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b", "override_model_config=true",
+                           f"max_target_length={run.layout.seq}",
                            *run.overrides])
         got = step_time(Model.from_config(cfg, parameter_counts(cfg).total), run.layout, HARDWARE[run.hardware])
         rows.append({"run": run.name, "published": run.tokens_per_s_per_gpu, "model": got["tokens_per_s_per_gpu"],

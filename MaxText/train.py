@@ -11,41 +11,19 @@ import signal
 import sys
 import time
 
+if __name__ == "__main__" and not __package__:  # `python MaxText/train.py ...`, upstream's older form
+    import runpy
+
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, not MaxText/
+    runpy.run_module("MaxText.train", run_name="__main__", alter_sys=True)
+
 if __name__ == "__main__":  # from the first import on, a scheduler's SIGTERM only asks the run to stop (StopFlag)
     _EARLY_SIGTERM = []
     signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.append(True))
 
 from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
+from MaxText.distributed import maybe_initialize_distributed, process_count
 from MaxText.run_lock import automatic_run_name, run_lock
-
-
-def _process_count_from_env() -> int:
-    """Processes in this job as launchers announce them (ours, SLURM, Open MPI); 1 when none does."""
-    for var in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
-def maybe_initialize_distributed(cfg) -> None:
-    """jax.distributed.initialize() when the job has several processes (or hardware=gpu_multiprocess).
-
-    Our launcher sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; under SLURM or
-    Open MPI jax finds them by itself. Single-process runs never start the distributed runtime.
-    """
-    import jax
-
-    if cfg.skip_jax_distributed_system or (cfg.hardware != "gpu_multiprocess" and _process_count_from_env() <= 1):
-        return
-    kwargs = {}
-    if "JAX_COORDINATOR_ADDRESS" in os.environ:
-        kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                      process_id=int(os.environ["JAX_PROCESS_ID"]))
-    if cfg.hardware == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
 
 
 def run_directories(cfg) -> tuple[str, str]:
@@ -127,7 +105,7 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
         state["params"] = params
         if bias is not None:
             state["nnx_aux"] = bias
-        log(f"loaded the params" + (" and the MoE routing biases" if bias is not None else "")
+        log("loaded the params" + (" and the MoE routing biases" if bias is not None else "")
             + f" of {cfg.load_parameters_path} (step 0"
             + ("; the checkpoint holds no routing bias: it starts at zero" if "nnx_aux" in spec.abstract
                and bias is None else "") + ")")
@@ -263,7 +241,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
         batch_sharding = sharding.batch_sharding(mesh)
         step_fn = jit_train_step(cfg, spec, batch_sharding)
         evaluate = Evaluator(cfg, spec, batch_sharding, global_batch) if cfg.eval_interval != -1 else None
-        writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary)
+        writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary,
+                                           config=cfg.to_dict())
         peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
         tokens_per_step = global_batch * cfg.max_target_length
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
@@ -359,13 +338,18 @@ def _main(argv, stop) -> int:
         if problems:
             print(f"error: xla_flags: {problems[0].message}", file=sys.stderr)
             return 2
+    try:
+        processes = process_count()  # the launcher's variables, checked before JAX starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
     from MaxText.checkpointing import CheckpointError, SaveTimeout
 
     try:
         maybe_initialize_distributed(cfg)
         if cfg.run_name is None:
-            if _process_count_from_env() > 1:
+            if processes > 1:
                 raise ConfigError("run_name must be set for a multi-process run (each process would pick "
                                   "a different timestamp); add run_name=<name>")
             with cfg.unlocked():

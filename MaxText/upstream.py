@@ -85,11 +85,12 @@ GROUPS: tuple[Group, ...] = (
        "moe_log_max_load_ratio log_required_ragged_buffer_factor write_estimator_result hide_profiler_step_metric "
        "profile_cleanly profile_periodically_period jax_cache_dir warmup_programs_in_init "
        "block_state_before_run_start warm_input_reshard_before_run_start sharding_tolerance record_internal_nn_metrics "
-       "metrics_file compiled_trainstep_file enable_jax_profiler jax_profiler_port override_model_config "
+       "metrics_file compiled_trainstep_file enable_jax_profiler jax_profiler_port "
        "override_logical_axis_rules shardy remove_size_one_mesh_axis_from_type jax_distributed_initialization_timeout "
        "force_unroll te_ep_overflow_check_every_n_steps compile_xla_flags"),
     _g(NOOP, "computes the same thing another way, or sizes something this trainer computes as needed",
-       "use_iota_embed max_position_embeddings max_segments_per_seq checkpoint_storage_use_ocdbt "
+       "use_iota_embed max_position_embeddings max_segments_per_seq use_batch_split_schedule batch_split_factor "
+       "checkpoint_storage_use_ocdbt "
        "checkpoint_storage_use_zarr3 checkpoint_storage_target_data_file_size_bytes checkpoint_storage_concurrent_gb "
        "checkpoint_storage_device_host_concurrent_gb max_corpus_chars param_scan_axis enable_dropout"),
     _g(NOOP, "a Grain reader tuning knob: this trainer's Grain reader shuffles by index over the whole split (no "
@@ -134,9 +135,11 @@ GROUPS: tuple[Group, ...] = (
        "global_rope_max_timescale global_rope_proportion local_rope_proportion rope_linear_scaling_factor "
        "rope_use_scale rope_min_timescale rope_truncate rope_attention_scaling rope_pairwise use_m3_model "
        "normalize_embedding_logits mla_qk_head_chunk_size csa_qk_head_chunk_size moe_expert_input_dim "
-       "use_batch_split_schedule batch_split_factor use_lineage inhomogeneous_layer_cycle_interval "
-       "global_parameter_scale dense_init_scale dropout_rate mtp_reuse_input_embedding mtp_eval_target_module "
+       "use_lineage inhomogeneous_layer_cycle_interval "
+       "global_parameter_scale dense_init_scale mtp_reuse_input_embedding mtp_eval_target_module "
        "use_random_routing"),
+    _g(REFUSED, "dropout is not built here: the models this trainer trains are pre-trained without it (upstream's "
+                "own MoE model files set enable_dropout: false, and its default rate is 0)", "dropout_rate"),
     _g(REFUSED, "the model's activation is SwiGLU (silu x linear) in every MLP and expert here",
        "mlp_activations"),
     _g(REFUSED, "a parallelism or sharding scheme this trainer does not have (its mesh is data x fsdp x expert x "
@@ -200,6 +203,35 @@ GROUPS: tuple[Group, ...] = (
 MAPPINGS: dict[str, str] = {
     "use_qk_norm": "qk_norm",
     "learning_rate_final_fraction": "cosine_learning_rate_final_fraction",
+}
+
+
+# The default job's model in configs/base.yml (a 4-layer MoE a CPU trains in a minute) is not a base for model
+# files: a model file that leaves one of these out gets upstream's default for it, as in MaxText (a dense
+# model file stays dense, a Mixtral file keeps 32000 tokens), with a log line.
+MODEL_DEFAULT_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
+                      "base_num_decoder_layers", "vocab_size", "num_experts", "num_experts_per_tok",
+                      "base_moe_mlp_dim")
+
+_DEFAULT_JOB = "configs/base.yml is also the default job, a CPU-sized demo that trains in under a minute"
+# Implemented keys whose default here differs from upstream's (besides MODEL_DEFAULT_KEYS), with the reason; the
+# README lists them (Coming from MaxText), and a run with a model file names those it leaves at these defaults.
+DEFAULT_DIFFERENCES: dict[str, str] = {
+    "steps": _DEFAULT_JOB, "log_period": _DEFAULT_JOB, "per_device_batch_size": _DEFAULT_JOB,
+    "max_target_length": _DEFAULT_JOB, "learning_rate": _DEFAULT_JOB, "dataset_type": _DEFAULT_JOB,
+    "dataset_name": _DEFAULT_JOB, "eval_interval": _DEFAULT_JOB, "eval_steps": _DEFAULT_JOB,
+    "checkpoint_period": _DEFAULT_JOB,
+    "base_output_directory": "the default job writes under ./outputs; upstream's empty value (its ./maxtext_output) "
+                             "is read as upstream reads it",
+    "hardware": "upstream's tpu is refused here; auto uses the GPUs where JAX finds them, else the CPU",
+    "decoder_block": "null checks no model family (upstream's llama2 names its dense default model)",
+    "tokenizer_type": "null reads the tokenizer's kind from tokenizer_path's suffix (.model or .json)",
+    "logical_axis_rules": "rules over this trainer's mesh axes (data, fsdp, expert, tensor); upstream's default "
+                          "rules are replaced by these",
+    "save_checkpoint_on_start": "a fresh run's step 0 is its seed, nothing to lose; saving it writes a whole "
+                                "checkpoint (minutes at 671B) before the first step",
+    "max_num_checkpoints_to_keep": "the newest 3 are kept rather than every checkpoint, which fills a disk on a "
+                                   "long run; null keeps all",
 }
 
 
@@ -308,6 +340,30 @@ def parse_value(key: str, value: Any, origin: str) -> Any:
     return _coerce(key, value, default, origin)
 
 
+def _refuse_if_on(key: str, value: Any, origin: str) -> None:
+    """A refused upstream key set to something other than "off" is a one-line error with the group's reason."""
+    from MaxText.config import ConfigError
+    group = group_of(key)
+    accepted = accepted_values(key, group)
+    if group.kind == REFUSED and value not in accepted:
+        raise ConfigError(f"{key}={show(value)} ({origin}) is a MaxText key this trainer does not support: "
+                          f"{group.reason}; remove it or set {key}={show(accepted[0])}")
+
+
+def check_model_file(path: str, layer: dict[str, Any]) -> None:
+    """An upstream model file of a family this trainer does not build, or with a feature it refuses, stops on that
+    cause in one line, before any key of its own that upstream's base.yml lacks could be called unknown."""
+    from MaxText.config import ConfigError
+    from MaxText.config_checks import DECODER_BLOCKS
+    block = layer.get("decoder_block")
+    if block is not None and block not in DECODER_BLOCKS:
+        raise ConfigError(f"model file {path} is MaxText's decoder_block={block}, a model family this trainer does "
+                          f"not build (it builds {', '.join(DECODER_BLOCKS)})")
+    for key, value in layer.items():
+        if key in upstream_defaults() and group_of(key) is not None:
+            _refuse_if_on(key, parse_value(key, value, f"in {path}"), f"in {path}")
+
+
 def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, tuple[Any, str]],
           explicit: set[str]) -> None:
     """Upstream MaxText's keys and values, as the tables above give them: mapped keys carried over onto ours (an error
@@ -326,14 +382,10 @@ def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, t
             logging.warning("config: %s=%s is MaxText's spelling of %s; using %s=%s", key, show(value), ours, ours,
                             show(carried))
             continue
-        group = group_of(key)
-        if group.kind == NOOP:
+        if group_of(key).kind == NOOP:
             noop.append(key)
             continue
-        accepted = accepted_values(key, group)
-        if value not in accepted:
-            raise ConfigError(f"{key}={show(value)} ({origin}) is a MaxText key this trainer does not support: "
-                              f"{group.reason}; remove it or set {key}={show(accepted[0])}")
+        _refuse_if_on(key, value, origin)
     if noop:
         logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
                         ", ".join(sorted(noop)))
@@ -365,6 +417,35 @@ def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, t
                         if saved != "minimal" else "", f" ({note})" if note else "")
 
 
+def same_default(key: str, ours: Any) -> bool:
+    """Whether this trainer's default `ours` for upstream's `key` means what upstream's default means."""
+    from MaxText.config import MINUS_ONE_IS_UNSET
+    theirs = upstream_defaults()[key]
+    unset = (None, "", "None") + ((-1, -1.0) if key in MINUS_ONE_IS_UNSET else ())
+    if ours in unset and theirs in unset:
+        return True
+    spelled = VALUE_SPELLINGS.get((key, theirs)) if isinstance(theirs, str) else None
+    return ours == theirs or (spelled is not None and spelled[0] == ours) or (
+        key in ("sparse_matmul", "te_moe_block", "model_name") and ours is None)  # unset: moe_impl decides, no model
+
+
+def model_defaults(values: dict[str, Any], given: set[str], model_path: str) -> None:
+    """A model file's values: MODEL_DEFAULT_KEYS it (and the config) leaves out take upstream's defaults; the keys
+    left at a default that differs from upstream's are named in one log line."""
+    applied = [k for k in MODEL_DEFAULT_KEYS if k not in given]
+    for key in applied:
+        values[key] = upstream_defaults()[key]
+    if applied:
+        logging.warning("config: %s leaves %s unset; MaxText's defaults apply (not the default job's model): %s",
+                        model_path, ", ".join(applied), ", ".join(f"{k}={show(values[k])}" for k in applied))
+    left = [k for k in DEFAULT_DIFFERENCES
+            if k not in given and k != "logical_axis_rules" and not same_default(k, values[k])]
+    if left:
+        logging.warning("config: left at this trainer's defaults, which differ from MaxText's (README: Coming from "
+                        "MaxText): %s", ", ".join(f"{k}={show(values[k])} (MaxText: {show(upstream_defaults()[k])})"
+                                                  for k in left))
+
+
 def implemented_keys() -> list[str]:
     """Upstream's keys that configs/base.yml has (same name, upstream's meaning), in upstream's order."""
     from MaxText.config import BASE_CONFIG, _read_yaml
@@ -384,7 +465,7 @@ def markdown() -> str:
              "list stored in tests/data).", "",
              "| behaviour | keys | what happens |", "|---|---|---|",
              f"| implemented | {len(implemented_keys())} keys of `configs/base.yml`: {_keys(implemented_keys())} | "
-             "same name and meaning (defaults are this trainer's) |"]
+             "same name and meaning; upstream's default, except those below |"]
     for key, ours in MAPPINGS.items():
         lines.append(f"| mapped | `{key}` | carried over to `{ours}`, with a log line; both set differently: "
                      "an error |")
@@ -394,6 +475,17 @@ def markdown() -> str:
                     "accepted " + (f"at {', '.join(f'`{v}`' for v in group.accepts)}" if group.accepts else
                                    "at upstream's default") + "; any other value is an error")
             lines.append(f"| {kind} | {_keys(group.keys)} | {group.reason}: {what} |")
+    from MaxText.config import BASE_CONFIG, _read_yaml
+    ours = _read_yaml(BASE_CONFIG)
+    lines += ["", "Defaults that differ from upstream's (a run with a model file names those it leaves at them in one "
+              "log line):", "", "| key | here | upstream | why |", "|---|---|---|---|"]
+    for key in MODEL_DEFAULT_KEYS:
+        lines.append(f"| `{key}` | {show(ours[key])} | {show(upstream_defaults()[key])} | the default job's model; "
+                     "a model file that leaves it out gets upstream's default |")
+    for key, reason in DEFAULT_DIFFERENCES.items():
+        shown = ("this trainer's rules" if key == "logical_axis_rules" else show(ours[key]),
+                 "upstream's rules" if key == "logical_axis_rules" else show(upstream_defaults()[key]))
+        lines.append(f"| `{key}` | {shown[0]} | {shown[1]} | {reason} |")
     lines += ["", "Upstream's values of keys both have:", "", "| value | here |", "|---|---|"]
     for (key, value), (ours, note) in VALUE_SPELLINGS.items():
         lines.append(f"| `{key}={value}` | `{key}={ours}`: {note} |")

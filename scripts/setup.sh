@@ -58,3 +58,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
   echo "$want" > "$stamp"
 fi
+
+# Upstream MaxText's module paths (python -m maxtext.trainers.pre_train.train, ...) on the venv's sys.path.
+"$venv/bin/python" "$root/scripts/upstream_paths.py"

@@ -149,10 +149,11 @@ def test_deepseek_mtp_layer_is_skipped_when_the_config_drops_it(tmp_path):
     assert any(line.startswith("not imported: the MTP layer (model.layers.3.*") for line in lines), lines
     from MaxText.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"holds no \['(params|nnx_aux)'\]\['mtp'\].*use the config it was written for"):
-        _params(item, f"{out}/model.yml")  # model.yml keeps config.json's MTP depth
-    params, _ = _params(item, f"{out}/model.yml", "mtp_num_layers=0")
+    assert "model.yml: mtp_num_layers=0 from the command line, not config.json's 1" in lines, lines
+    params, _ = _params(item, f"{out}/model.yml")  # model.yml records the depth imported
     assert "mtp" not in params
+    with pytest.raises(ConfigError, match=r"holds no \['(params|nnx_aux)'\]\['mtp'\].*set mtp_num_layers=0"):
+        _params(item, f"{out}/model.yml", "mtp_num_layers=1", "override_model_config=true")
 
 
 def test_fp8_blocks_dequantize_with_partial_edge_blocks():

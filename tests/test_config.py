@@ -9,12 +9,14 @@ batch; XLA flag merging; loading without side effects; and the `python -m MaxTex
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from MaxText import config, sharding
 from MaxText.config import MESH_AXES, ConfigError, load_config
@@ -125,21 +127,92 @@ def model_dir(tmp_path, monkeypatch):
 def test_model_file_overrides_base_defaults(model_dir):
     cfg = load_config(["model_name=foo"])
     assert (cfg.base_emb_dim, cfg.base_num_decoder_layers, cfg.vocab_size) == (256, 8, 1024), dict(cfg)
-    assert cfg.head_dim == 32, "keys the model file omits keep base.yml defaults"
+    assert cfg.steps == load_config([]).steps, "keys the model file omits keep base.yml defaults"
+    assert (cfg.head_dim, cfg.num_experts, cfg.base_num_query_heads) == (128, 1, 16), \
+        "the default job's model keys a model file omits take MaxText's defaults (a dense model stays dense)"
     assert cfg.model_name == "foo"
 
 
-def test_recipe_overrides_model_file(model_dir):
-    recipe = write_yaml(model_dir / "recipe.yml", "base_config: base.yml\nmodel_name: foo\nbase_num_decoder_layers: 6\n")
+def test_model_file_overrides_the_config_chain_as_in_maxtext(model_dir, caplog):
+    """Upstream's precedence: config files, then the model file, then the command line. A recipe key the model
+    file sets otherwise is an error naming both files (upstream would drop it silently), unless
+    override_model_config: true, when the recipe's value stands with a log line."""
+    recipe = write_yaml(model_dir / "recipe.yml",
+                        "base_config: base.yml\nmodel_name: foo\nbase_num_decoder_layers: 6\n")
+    assert_config_error([recipe], "base_num_decoder_layers: 6", "recipe.yml", "foo.yml", "override_model_config")
+    same = write_yaml(model_dir / "same.yml", "base_config: base.yml\nmodel_name: foo\nbase_num_decoder_layers: 8\n")
+    assert load_config([same]).base_num_decoder_layers == 8, "the same value in both is no clash"
+    recipe = write_yaml(model_dir / "recipe.yml", "base_config: base.yml\nmodel_name: foo\nbase_num_decoder_layers: 6\n"
+                                                  "override_model_config: true\n")
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config([recipe])
+    assert (cfg.base_num_decoder_layers, cfg.base_emb_dim) == (6, 256), dict(cfg)
+    assert any("override_model_config=true: base_num_decoder_layers=6" in r.getMessage() for r in caplog.records)
+
+
+def test_command_line_key_the_model_file_sets_otherwise_needs_override_model_config(model_dir):
+    assert_config_error(["model_name=foo", "base_num_decoder_layers=2"], "base_num_decoder_layers=2",
+                        "foo.yml", "override_model_config=true")
+    assert load_config(["model_name=foo", "base_num_decoder_layers=8"]).base_num_decoder_layers == 8
+    for flag in ("override_model_config=true", "override_model_config=1"):
+        cfg = load_config(["model_name=foo", "base_num_decoder_layers=2", "vocab_size=64", flag])
+        assert (cfg.base_num_decoder_layers, cfg.vocab_size, cfg.base_emb_dim) == (2, 64, 256), dict(cfg)
+    recipe = write_yaml(model_dir / "recipe.yml", "base_config: base.yml\nmodel_name: foo\noverride_model_config: 1\n")
+    assert load_config([recipe, "base_num_decoder_layers=2"]).base_num_decoder_layers == 2, \
+        "override_model_config set in a config file lets the command line override the model file"
+
+
+def test_a_copy_of_upstreams_base_yml_yields_to_the_model_file(tmp_path):
+    """Upstream's base.yml sets every model key; with model_name its values are defaults the model file
+    replaces (MaxText's precedence), so base.yml + model_name=mixtral-8x7b is Mixtral, not the dense 1.1B default.
+    A value in that root file that is no default and clashes with the model file is an error."""
+    from MaxText import upstream
+    base = dict(upstream.upstream_defaults(), hardware="cpu")
+    path = tmp_path / "base.yml"
+    path.write_text(yaml.safe_dump(base))
+    cfg = load_config([str(path), "model_name=mixtral-8x7b"])
+    assert (cfg.base_emb_dim, cfg.num_experts, cfg.base_num_decoder_layers, cfg.first_num_dense_layers,
+            cfg.vocab_size) == (4096, 8, 32, 0, 32000)
+    path.write_text(yaml.safe_dump(dict(base, base_emb_dim=1024)))
+    assert_config_error([str(path), "model_name=mixtral-8x7b"], "base_emb_dim: 1024", "mixtral-8x7b.yml")
+
+
+def test_base_config_falls_back_to_the_configs_folder(tmp_path):
+    """A recipe in a folder of its own finds `base_config: base.yml` in configs/, as upstream's do."""
+    recipe = write_yaml(tmp_path / "recipes" / "r.yml", "base_config: base.yml\nsteps: 7\n")
     cfg = load_config([recipe])
-    assert cfg.base_num_decoder_layers == 6, "the recipe's value should win over models/foo.yml"
-    assert cfg.base_emb_dim == 256, "model_name set in a recipe should still merge models/foo.yml"
+    assert cfg.steps == 7 and cfg.base_emb_dim == load_config([]).base_emb_dim
+    missing = write_yaml(tmp_path / "m.yml", "base_config: nowhere.yml\n")
+    assert_config_error([missing], "nowhere.yml", "does not exist")
 
 
-def test_command_line_overrides_model_file_and_recipe(model_dir):
-    recipe = write_yaml(model_dir / "recipe.yml", "base_config: base.yml\nmodel_name: foo\nbase_num_decoder_layers: 6\n")
-    cfg = load_config([recipe, "base_num_decoder_layers=2", "vocab_size=64"])
-    assert (cfg.base_num_decoder_layers, cfg.vocab_size) == (2, 64), "key=value should win over model and recipe"
+def test_upstreams_config_paths_read_this_trainers_configs(caplog):
+    """`MaxText/configs/base.yml` (upstream's old layout) and `src/maxtext/configs/...` (0.2.5's) name the same
+    files under configs/ here, with a log line."""
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(["MaxText/configs/base.yml", "steps=3"])
+    assert cfg.steps == 3 and any("MaxText's path of a config" in r.getMessage() for r in caplog.records)
+    assert load_config(["src/maxtext/configs/base.yml"]).steps == load_config([]).steps
+    assert_config_error(["MaxText/configs/nowhere.yml"], "nowhere.yml")
+
+
+def test_the_config_folders_models_are_found_first(tmp_path):
+    """upstream's search order for model_name: models/ beside the config, then beside its folder, then configs/."""
+    write_yaml(tmp_path / "models" / "mixtral-8x7b.yml", "base_emb_dim: 64\n")
+    recipe = write_yaml(tmp_path / "r.yml", "base_config: base.yml\nmodel_name: mixtral-8x7b\n")
+    assert load_config([recipe]).base_emb_dim == 64
+    assert load_config(["model_name=mixtral-8x7b"]).base_emb_dim == 4096
+
+
+def test_booleans_take_one_and_zero_as_upstream_does(tmp_path):
+    assert load_config(["scan_layers=0"]).scan_layers is False and load_config(["scan_layers=1"]).scan_layers is True
+    recipe = write_yaml(tmp_path / "r.yml", "base_config: base.yml\nscan_layers: 0\n")
+    assert load_config([recipe]).scan_layers is False
+    assert_config_error(["scan_layers=2"], "scan_layers")
+
+
+def test_upstreams_empty_base_output_directory_is_maxtext_output():
+    assert load_config(["base_output_directory="]).base_output_directory == "maxtext_output"
 
 
 def test_unknown_model_name_raises(model_dir):

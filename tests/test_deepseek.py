@@ -13,7 +13,7 @@ IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
 
 
 def run(tmp_path, impl):
-    cfg = load_config(["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=32", "steps=4",
+    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=32", "steps=4",
                        "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "routed_bias_update_rate=0.01", "dataset_type=synthetic", "eval_interval=-1",
@@ -42,7 +42,7 @@ def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
     MoE layer, the MTP depth's included (its stats used to reach only the losses and the bias), with one
     meaning across impls (dropped_fraction = dropped slots / real slots; ragged used to report 0 beside a
     positive overflow), and in evaluation too (eval_step used to discard them)."""
-    cfg = load_config(["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=32", "steps=2",
+    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=32", "steps=2",
                        "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "dataset_type=synthetic", "eval_interval=2", "eval_steps=1", "moe_impl=ragged",

@@ -3,12 +3,14 @@ started by scripts/launch.sh --local 2, through jax.distributed, against one pro
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from MaxText.config import load_config
+from MaxText.config import ConfigError, load_config
 from tests.tiny import TINY, losses, train_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,3 +71,56 @@ def test_two_processes_each_read_their_own_shard_of_a_grain_corpus(tmp_path):
         want.append(it.state())
     assert saved == {"process_count": 2, "positions": want}, saved
     assert want[0] != want[1]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_upstreams_multi_node_variables_start_jax_distributed(tmp_path):
+    """MaxText's GPU launch variables (JAX_COORDINATOR_IP/PORT, NNODES, NODE_RANK; one process per node with every
+    device it sees): two processes of 4 CPU devices each join into one 8-device mesh and train together."""
+    args = TINY + [f"base_output_directory={tmp_path}", "steps=2", "log_period=1", "enable_checkpointing=false",
+                   "run_name=nodes"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COORDINATOR_IP="127.0.0.1",
+               JAX_COORDINATOR_PORT=str(_free_port()), NNODES="2",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+    procs = [subprocess.Popen([sys.executable, "-m", "MaxText.train", *args], cwd=ROOT, env=dict(env, NODE_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in outs[0], outs[0]
+    with open(tmp_path / "nodes" / "metrics" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"JAX_COORDINATOR_IP": "10.0.0.1", "NNODES": "2", "NODE_RANK": "0"}, "JAX_COORDINATOR_PORT unset"),
+    ({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "1234", "NNODES": "2", "NODE_RANK": "2"},
+     "NODE_RANK=2 must be in [0, NNODES=2)"),
+    ({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "x", "NNODES": "2", "NODE_RANK": "0"},
+     "JAX_COORDINATOR_PORT='x' must be a whole number"),
+    ({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "1234", "NNODES": "2", "NODE_RANK": "0",
+      "JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "set one of the two"),
+])
+def test_inconsistent_launch_variables_stop_in_one_line_before_jax(env, needle):
+    from MaxText.distributed import launch_kwargs
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        launch_kwargs(env)
+    result = subprocess.run([sys.executable, "-m", "MaxText.train", "steps=1"], cwd=ROOT, capture_output=True,
+                            text=True, env=dict(os.environ, **env), timeout=120) if needle.startswith("NODE") else None
+    if result is not None:
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and needle in result.stderr, result
+
+
+def test_launch_variables_read_as_jax_distributed_arguments():
+    from MaxText.distributed import launch_kwargs, process_count
+    up = {"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "1234", "NNODES": "4", "NODE_RANK": "3"}
+    assert launch_kwargs(up) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+    ours = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert launch_kwargs(dict(up, **ours)) == launch_kwargs(up), "both, agreeing, are fine"
+    assert process_count(up) == 4 and process_count({"SLURM_NTASKS": "16"}) == 16 and process_count({}) == 1

@@ -72,9 +72,21 @@ def test_writer_jsonl_and_tensorboard_layout(tmp_path, monkeypatch):
                                                   "moe_expert_load": load.tolist(), "mfu": None}
     tb = made[0]
     assert tb.logdir == str(tmp_path / "tensorboard")
-    assert tb.scalars == {"loss": (2.5, 7), "moe_overflow/layer_0": (0.0, 7), "moe_overflow/layer_1": (3.0, 7)}
+    # upstream's tag and step count (the first update is its step 0); keys upstream has no tag for keep theirs
+    assert tb.scalars == {"learning/loss": (2.5, 6), "moe_overflow/layer_0": (0.0, 6), "moe_overflow/layer_1": (3.0, 6)}
     assert sorted(tb.histograms) == ["moe_expert_load/layer_0", "moe_expert_load/layer_1"]
     np.testing.assert_array_equal(tb.histograms["moe_expert_load/layer_1"][0], load[1])
+
+
+def test_tensorboard_tags_are_upstreams():
+    """The record keys upstream MaxText has a tag for go out under its tag (its metric_logger's names)."""
+    tags = metrics.tensorboard_scalars({"step": 1, "loss": 1.0, "step_time_s": 0.5, "eval_loss": 2.0,
+                                        "tokens_per_s_per_device": 10.0, "learning_rate": 1e-3, "mfu": None,
+                                        "moe_load_max_over_mean": [1.5, 2.5], "moe_router_entropy": [1.0, 1.1]})
+    assert tags == {"learning/loss": 1.0, "perf/step_time_seconds": 0.5, "eval/avg_loss": 2.0,
+                    "perf/per_device_tokens_per_sec": 10.0, "learning/current_learning_rate": 1e-3,
+                    "moe_load_max_over_mean": [1.5, 2.5], "moe_router_entropy": [1.0, 1.1],
+                    "learning/moe_max_load_ratio": 2.5, "learning/moe_max_load_ratio_mean": 2.0}
 
 
 def test_console_line_summarises_moe_layers():

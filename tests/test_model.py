@@ -127,7 +127,7 @@ def test_scan_and_remat_variants_match_plain_model(layout, remat, reference_loss
 def test_qk_norm_makes_attention_invariant_to_query_key_scale(qk_norm):
     """With per-head RMSNorm on queries and keys (Qwen3), scaling wq and wk changes nothing; without it,
     it sharpens the attention."""
-    cfg = tiny_config(f"qk_norm={qk_norm}")
+    cfg = tiny_config(f"qk_norm={qk_norm}", "normalization_layer_epsilon=1e-6")  # eps << mean square
     attn = Attention(cfg, dtype=jnp.float32, weight_dtype=jnp.float32, rules=None, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, L, cfg.base_emb_dim))
     positions, segments = jnp.tile(jnp.arange(L), (2, 1)), jnp.ones((2, L), jnp.int32)

@@ -15,7 +15,7 @@ from MaxText.plan import parameter_counts
 PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "deepseek3-671b": (671e9, 37e9), "qwen3-30b-a3b": (30.5e9, 3.3e9),
              "mixtral-8x22b": (141e9, 39e9), "qwen3-235b-a22b": (235e9, 22e9), "qwen3-480b-a35b": (480e9, 35e9),
              "deepseek2-236b": (236e9, 21e9), "deepseek2-16b": (15.7e9, 2.4e9), "kimi-k2-1t": (1.04e12, 32.6e9)}
-NO_MTP = {"deepseek3-671b": ["mtp_num_layers=0"]}
+NO_MTP = {"deepseek3-671b": ["mtp_num_layers=0", "override_model_config=true"]}
 # Where a publisher counts otherwise, stated: DeepSeek-V2-Lite's 2.4B active leaves out the embedding table
 # (2.66B with it; 2.45B without, which is what is compared); Kimi K2's report gives 1.04T, while its
 # config.json's shapes add up to 1.026T (every matrix counted here: 60 MoE layers of 384 x 3 x 7168 x 2048,

@@ -74,6 +74,23 @@ def test_start_up_refuses_only_beyond_the_estimate_margin():
             assert [line.split(":")[0] for line in lines] == ([expect] if expect else []), lines
 
 
+def test_on_cpu_without_hbm_gib_the_host_memory_is_the_limit(monkeypatch):
+    """CPU devices share the host's memory: without hbm_gib, a run is checked against it over the local CPU
+    devices (upstream's base.yml with hardware=cpu used to be killed by the OOM killer with no word)."""
+    from MaxText.config import ConfigError
+
+    cfg = load_config(args(COMMON, ["model_name=deepseek3-tiny"]))
+    mesh_shape = sharding.mesh_shape(cfg, 1)
+    spec = state_spec(cfg, plan.abstract_mesh(mesh_shape))
+    total = sum(plan.device_bytes(cfg, spec, mesh_shape, 1)[0].values())
+    host = total * jax.local_device_count() / 2 / plan.GIB  # half of what the 8 devices together need
+    monkeypatch.setattr(plan, "host_memory_gib", lambda: host)
+    with pytest.raises(ConfigError, match=f"this host's {host:.3g} GiB over {jax.local_device_count()} CPU devices"):
+        plan.check_fits(cfg, spec, mesh_shape, 1, print)
+    monkeypatch.setattr(plan, "host_memory_gib", lambda: host * 4)
+    plan.check_fits(cfg, spec, mesh_shape, 1, print)
+
+
 def test_state_bytes_are_the_shards_the_trainer_creates():
     """Per-device params and optimizer bytes equal the shard sizes of state_spec on a real 8-device mesh."""
     cfg = load_config(["model_name=deepseek3-tiny", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"])

@@ -55,7 +55,7 @@ def _te_primitives(jaxpr) -> set:
 
 def _config(mesh_name, *extra):
     """deepseek3-tiny (MLA, shared expert, sigmoid + bias, groups, MTP) on te_dropless with TE kernels, bf16."""
-    return tiny_config("model_name=deepseek3-tiny", "moe_impl=te_dropless", "te_kernels=auto", "dtype=bfloat16",
+    return tiny_config("model_name=deepseek3-tiny", "override_model_config=true", "moe_impl=te_dropless", "te_kernels=auto", "dtype=bfloat16",
                        "num_experts=8", *MESHES[mesh_name][0], *extra)
 
 

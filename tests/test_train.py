@@ -144,7 +144,8 @@ def test_load_parameters_path_restores_the_routing_bias(tmp_path):
     from MaxText.checkpointing import Checkpointer, load_full_state
     from MaxText.train import initial_state
 
-    keys = ["model_name=deepseek3-tiny", "dtype=float32", "max_target_length=16", "per_device_batch_size=1",
+    keys = ["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=16",
+            "per_device_batch_size=1",
             "dataset_type=synthetic", "eval_interval=-1", "enable_tensorboard=false", "routed_bias_update_rate=0.01",
             "base_num_decoder_layers=2", "mtp_num_layers=0", f"base_output_directory={tmp_path}"]
     train_records(load_config(keys + ["run_name=source", "steps=1"]))
@@ -162,6 +163,40 @@ def test_load_parameters_path_restores_the_routing_bias(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, state["nnx_aux"], saved["nnx_aux"])
     assert int(state["step"]) == 0
     assert lines == [f"loaded the params and the MoE routing biases of {item} (step 0)"], lines
+
+
+def test_load_parameters_path_names_the_real_cause_of_missing_arrays(tmp_path):
+    """A checkpoint written with the other scan_layers layout names scan_layers; one with no MTP depth names
+    mtp_num_layers; upstream MaxText's tree (params/params/decoder/...) says how to convert it. One line each."""
+    import json as json_lib
+
+    from MaxText import checkpointing
+    from MaxText.config import ConfigError
+
+    keys = TINY + ["steps=1", f"base_output_directory={tmp_path}", "run_name=scanned", "scan_layers=true"]
+    train_records(load_config(keys))
+    item = f"{tmp_path}/scanned/checkpoints/1/items"
+
+    def load(*extra):
+        cfg = load_config(TINY + [f"load_parameters_path={item}", *extra])
+        abstract = state_spec(cfg, sharding.create_mesh(cfg)).abstract
+        return checkpointing.load_params(item, abstract["params"], cfg)
+
+    with pytest.raises(ConfigError, match="written with scan_layers=true .*: set scan_layers=true") as info:
+        load("scan_layers=false")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="no Multi-Token Prediction depths: set mtp_num_layers=0"):
+        load("mtp_num_layers=1")
+    meta = f"{item}/_METADATA"  # the same arrays under upstream's names
+    with open(meta) as f:
+        tree = json_lib.load(f)
+    for entry in tree["tree_metadata"].values():
+        entry["key_metadata"] = [{"key": "params", "key_type": 2}, {"key": "decoder", "key_type": 2},
+                                 *entry["key_metadata"][1:]]
+    with open(meta, "w") as f:
+        json_lib.dump(tree, f)
+    with pytest.raises(ConfigError, match="is upstream MaxText's parameter tree .*to_huggingface, then import"):
+        load()
 
 
 def test_num_devices_must_match_the_visible_devices(tmp_path):

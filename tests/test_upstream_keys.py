@@ -305,3 +305,28 @@ def test_the_readme_shows_the_table_as_the_code_has_it():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     shown = readme.split("<!-- upstream-keys:begin -->\n")[1].split("<!-- upstream-keys:end -->")[0]
     assert shown == upstream.markdown(), "README's Coming from MaxText table is stale: paste python -m MaxText.upstream"
+
+
+def test_every_default_is_upstreams_or_listed_with_a_reason():
+    """An implemented key's default means upstream's, or the key is in MODEL_DEFAULT_KEYS / DEFAULT_DIFFERENCES
+    (the README's table of differences, each with its reason); a listed key really differs."""
+    base = ours()
+    listed = set(upstream.MODEL_DEFAULT_KEYS) | set(upstream.DEFAULT_DIFFERENCES)
+    for key in upstream.implemented_keys():
+        if key == "logical_axis_rules":
+            continue
+        same = upstream.same_default(key, base[key])
+        assert same != (key in listed), f"{key}: here {base[key]!r}, upstream {upstream.upstream_defaults()[key]!r}"
+
+
+def test_a_model_file_names_the_defaults_it_relies_on_that_differ(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(["model_name=mixtral-8x7b"])
+    line = next(r.getMessage() for r in caplog.records if "differ from MaxText's" in r.getMessage())
+    assert "learning_rate=0.003 (MaxText: 3e-05)" in line and "steps=200 (MaxText: 150001)" in line, line
+
+
+def test_dropout_rate_is_refused_for_its_own_reason():
+    load_config(["dropout_rate=0"])
+    with pytest.raises(ConfigError, match=r"dropout_rate=0.1 .* dropout is not built here"):
+        load_config(["dropout_rate=0.1"])

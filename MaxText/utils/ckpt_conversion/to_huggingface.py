@@ -2,7 +2,7 @@
 
     python -m MaxText.utils.ckpt_conversion.to_huggingface configs/base.yml model_name=... \\
         load_parameters_path=<items> base_output_directory=<hf_out> [hf_dtype=bfloat16|float32|fp8] \\
-        [hf_shard_gb=5]
+        [hf_shard_gb=5] [hf_tokenizer_path=<hf dir>]
 
 Writes <hf_out>/config.json and model-0000i-of-0000n.safetensors shards with model.safetensors.index.json,
 in the layout of the family's released checkpoints (the family from decoder_block, else from the model keys:
@@ -11,7 +11,9 @@ routing biases go out as e_score_correction_bias, the MTP depths as layers num_h
 copies of the embedding and head DeepSeek's release carries). hf_dtype=fp8 writes DeepSeek's block format:
 every Linear of attention, MLPs and experts as float8_e4m3fn with a float32 weight_scale_inv per 128x128
 block (the block's max |w| / 448); norms, embedding, head and router stay bfloat16.
+hf_tokenizer_path copies that directory's tokenizer files (tokenizer.json, tokenizer_config.json, ...) in.
 The directory is written under a temporary name and renamed when complete; one that exists is refused.
+Upstream MaxText's flags work too (upstream_flags.TO_HUGGINGFACE): --hf_model_path=<dir> is hf_tokenizer_path.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, DeepSeek, Mixtral, Qwen3Moe, placements, to_theirs
+from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK, write_file
 
 HF_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "fp8": ml_dtypes.float8_e4m3fn}
@@ -110,6 +113,22 @@ def write_directory(directory: str, config: dict, tensors: dict[str, np.ndarray]
         json.dump(config, f, indent=1)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def tokenizer_files(directory: str) -> list[str]:
+    """The tokenizer files of a Hugging Face directory (hf_tokenizer_path, upstream's --hf_model_path) to bundle
+    with the export; none when unset."""
+    if not directory:
+        return []
+    found = [os.path.join(directory, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, f))]
+    if not any(os.path.basename(f).startswith("tokenizer") for f in found):
+        raise ConfigError(f"hf_tokenizer_path={directory} holds no tokenizer.json, tokenizer_config.json or "
+                          "tokenizer.model to bundle; give the Hugging Face directory of the model's tokenizer")
+    return found
+
+
 def export(argv: list[str], log=print) -> str:
     """Runs the export; returns the directory written."""
     import jax
@@ -117,9 +136,9 @@ def export(argv: list[str], log=print) -> str:
     from MaxText import checkpointing, plan, sharding
     from MaxText.state import state_spec
 
-    opts, rest = {"hf_dtype": "bfloat16", "hf_shard_gb": "5"}, []
+    opts, rest = {"hf_dtype": "bfloat16", "hf_shard_gb": "5", "hf_tokenizer_path": ""}, []
     out_dir = None
-    for arg in argv:
+    for arg in upstream_flags.normalize(list(argv), upstream_flags.TO_HUGGINGFACE, "to_huggingface", log):
         key, sep, value = arg.partition("=")
         if sep and key in opts:
             opts[key] = value
@@ -138,6 +157,7 @@ def export(argv: list[str], log=print) -> str:
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"base_output_directory={out_dir} exists and is not empty; choose a new directory")
+    tokenizer = tokenizer_files(opts["hf_tokenizer_path"])
     cfg = load_config(rest)
     if not cfg.load_parameters_path:
         raise ConfigError("load_parameters_path=<run>/checkpoints/<step>/items is required (the params to export)")
@@ -162,6 +182,8 @@ def export(argv: list[str], log=print) -> str:
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     write_directory(staging, config, tensors, shard_bytes)
+    for path in tokenizer:
+        shutil.copy(path, staging)
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty, checked above
     os.replace(staging, out_dir)

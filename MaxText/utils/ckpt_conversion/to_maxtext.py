@@ -22,6 +22,10 @@ is one line naming the tensor, and nothing is written. The MTP layer of DeepSeek
 (model.layers.<num_hidden_layers>) is imported when the config keeps mtp_num_layers, skipped (with a line)
 when it is 0, or when the checkpoint holds none (transformers saves DeepSeek-V3 without it).
 
+Upstream MaxText's flags work too (upstream_flags.TO_MAXTEXT): --hf_model_path=<dir>, --save_dtype=bfloat16
+(weight_dtype, the dtype written; float32 by default here, upstream's default is bfloat16), and the loading
+options that change nothing here (--lazy_load_tensors, --eager_load_method, --revision, ...), with a log line.
+
 Check an import against transformers with MaxText.utils.ckpt_conversion.check before training from it.
 
 Memory: every name and shape is checked from the headers first (nothing written before); then the params are
@@ -44,6 +48,7 @@ import numpy as np
 import yaml
 
 from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
 
@@ -264,7 +269,8 @@ def convert(argv: list[str], log=print) -> str:
     from MaxText.checkpointing import CHECKSUMS, ITEM
     from MaxText.state import state_spec
 
-    hf_dir, out_dir, ignore, rest = _split_argv(argv)
+    hf_dir, out_dir, ignore, rest = _split_argv(upstream_flags.normalize(list(argv), upstream_flags.TO_MAXTEXT,
+                                                                         "to_maxtext", log, bare=True))
     hf = read_hf_config(hf_dir)
     ckpt = Checkpoint(hf_dir)
     family = FAMILIES[hf["model_type"]]()
@@ -283,6 +289,13 @@ def convert(argv: list[str], log=print) -> str:
             cfg = load_config(config_args + overrides)
             check_agrees(cfg, keys, named)
         else:
+            # A model key on the command line changes what is imported (mtp_num_layers=0 drops the MTP layer):
+            # model.yml records it, so that it describes the checkpoint written beside it.
+            chosen = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0] in keys}
+            for key, value in chosen.items():
+                log(f"model.yml: {key}={value} from the command line, not config.json's {keys[key]!r}")
+                keys[key] = yaml.safe_load(value)
+            overrides = [a for a in overrides if a.split("=", 1)[0] not in chosen]
             staged = os.path.join(staging, "model.yml")
             with open(staged, "w") as f:
                 f.write(f"# Derived from {os.path.abspath(hf_dir)}/config.json ({hf['model_type']}) by "

@@ -1,0 +1,1 @@
+"""maxtext.checkpoint_conversion: upstream's path of the converters."""

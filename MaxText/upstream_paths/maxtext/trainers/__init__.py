@@ -1,0 +1,1 @@
+"""maxtext.trainers: upstream's path of the trainers."""
