@@ -111,7 +111,8 @@ def check_positive(cfg) -> None:
                 "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
                 "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
                 "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
-                "eval_steps", "profiler_steps", "checkpoint_timeout_s", "num_moe_token_chunks"):
+                "eval_steps", "profiler_steps", "checkpoint_timeout_s", "num_moe_token_chunks",
+                "gradient_accumulation_steps"):
         minus_one_ok = key == "eval_steps" or (key == "base_moe_mlp_dim" and cfg.num_experts == 1)  # MaxText's -1
         if cfg[key] is not None and cfg[key] < 1 and not (minus_one_ok and cfg[key] == -1):
             raise ConfigError(f"{key}={cfg[key]} must be at least 1" + (" (or -1: the whole eval split)"
@@ -298,9 +299,34 @@ def check_upstream_consistency(cfg) -> None:
                           "none: set eval_steps to a number of batches")
 
 
+# Keys naming a file or directory; a URL there (gs://, s3://, ...) is refused: this trainer reads and writes local
+# paths (a bucket mounted with gcsfuse or mountpoint-s3 is one), and a URL must never become a local "gs:" folder.
+PATH_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "dataset_path",
+             "grain_train_files", "grain_eval_files", "hf_data_dir", "hf_train_files", "hf_eval_files",
+             "tokenizer_path")
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def remote_path_error(key: str, value) -> str | None:
+    """The one-line refusal of a URL given as a local path, or None."""
+    if not isinstance(value, str) or not URL.match(value):
+        return None
+    scheme = value.split("://", 1)[0]
+    return (f"{key}={_clip(value)} is a {scheme}:// URL; this trainer reads and writes local paths only: mount the "
+            "bucket (gcsfuse for gs://, mountpoint-s3 for s3://) and give the mounted path")
+
+
+def check_paths(cfg) -> None:
+    """Paths are local: a remote URL stops here, before anything is created from it."""
+    for key in PATH_KEYS:
+        error = remote_path_error(key, cfg[key])
+        if error:
+            raise ConfigError(error)
+
+
 CHECKS = (check_choices, check_te_options, check_router, check_positive, check_rope, check_attention_heads,
           check_layers, check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
-          check_checkpoint_sources, check_upstream_consistency)
+          check_checkpoint_sources, check_upstream_consistency, check_paths)
 
 
 def validate(cfg) -> None:

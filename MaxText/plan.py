@@ -133,7 +133,8 @@ def state_bytes(cfg, spec, mesh_shape: dict) -> dict:
     copies = 2 if mesh_shape["fsdp"] > 1 else 1  # fsdp prefetches the next layer's gather
     return {
         "params": params,
-        "gradients": params,
+        # under gradient accumulation the step's sum beside each micro-batch's gradients
+        "gradients": params * (2 if cfg.gradient_accumulation_steps > 1 else 1),
         "optimizer": _tree_bytes(spec.abstract["opt_state"], mesh_shape),
         "moe_bias": _tree_bytes(spec.abstract.get("nnx_aux", {}), mesh_shape),
         "layer_weights": layer_weights * (copies * ratio + 1),
@@ -277,7 +278,7 @@ def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
     counted in host memory instead."""
     batch = global_batch_size(cfg, num_devices)
     shards = math.prod(mesh_shape[x] for x in sharding.DATA_AXES)
-    b = -(-batch // shards)
+    b = -(-batch // shards) // cfg.gradient_accumulation_steps  # one micro-batch is live at a time
     t, tp, ep = b * cfg.max_target_length, mesh_shape["tensor"], mesh_shape["expert"]
     a = np.dtype(cfg.dtype).itemsize
     moe = cfg.num_experts > 1

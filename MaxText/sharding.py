@@ -133,6 +133,12 @@ def check_batch(cfg, mesh: Mesh, global_batch: int) -> None:
         raise ConfigError(
             f"per_device_batch_size={cfg.per_device_batch_size} gives a global batch of {global_batch}, which "
             f"does not split over the {shards} data shards (data x fsdp x expert); change per_device_batch_size")
+    steps = cfg.gradient_accumulation_steps
+    if (global_batch // shards) % steps:
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps} must divide each data shard's {global_batch // shards} rows of the "
+            f"global batch ({global_batch} over {shards} shards): every micro-batch splits over the same shards; "
+            "change per_device_batch_size or gradient_accumulation_steps")
 
 
 def constrain(x, logical_axes, rules):

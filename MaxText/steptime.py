@@ -117,6 +117,7 @@ class Layout(NamedTuple):
     vocab_tiles: int = 1            # num_vocab_tiling: the head is gathered per tile, forward and backward
     expert_regather: bool = True    # the backward gathers the expert weights again (any remat; not with none)
     dispatch_recompute: bool = False  # the backward redoes the EP dispatch (moe_dispatch rematerialised)
+    grad_accumulation: int = 1      # this trainer's micro-batches per step: FSDP gathers, gradient reductions each
 
 
 def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
@@ -142,7 +143,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
         dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom"
-                                                           and cfg.moe_dispatch == "remat"))
+                                                           and cfg.moe_dispatch == "remat"),
+        grad_accumulation=cfg.gradient_accumulation_steps)
 
 
 # The named matmul outputs (config.py's remat names) by kind of FLOPs.
@@ -331,8 +333,8 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     links = {"dense": (fsdp_dense, lay.fsdp_dense_local), "expert": (lay.fsdp, lay.fsdp_local)}
     fsdp = sum(_ring(b, *links[part], hw) for part, kinds in fsdp_collective_bytes(m, lay).items()
                for b in kinds.values())
-    if fsdp:
-        comm["fsdp"] = fsdp
+    if fsdp:  # every micro-batch gathers the weights again and reduces its own gradients
+        comm["fsdp"] = fsdp * lay.grad_accumulation
     dp = 0.0
     for params, group, stride in ((m.dense_params / (lay.tp * lay.pp), dense_dp, lay.tp),
                                   (m.expert_params / (lay.ep * lay.pp), expert_dp, lay.ep * lay.tp)):
@@ -341,7 +343,7 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
         dp += (_ring(per, group, local, hw) + _ring(params * lay.gather_bytes, group, local, hw)
                if lay.zero else 2 * _ring(per, group, local, hw))
     if dp:
-        comm["dp"] = dp
+        comm["dp"] = dp * lay.grad_accumulation
     if lay.offload_bytes:
         comm["offload"] = 2 * lay.offload_bytes / (hw.host_gbps * 1e9)
     if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'

@@ -57,12 +57,68 @@ def moe_metrics(stats) -> dict:
     }
 
 
+def micro_batches(batch, steps: int):
+    """A batch [B, ...] as `steps` micro-batches [steps, B / steps, ...]: micro-batch j holds rows j, j + steps,
+    j + 2 steps, ..., so each device's rows of the batch (a contiguous block of B / shards, a multiple of steps)
+    split into its rows of every micro-batch without moving (sharding.check_batch holds the multiple)."""
+    from MaxText.sharding import DATA_AXES
+
+    def split(x):
+        x = jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
+        if jax.sharding.get_abstract_mesh().empty:
+            return x
+        return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(None, DATA_AXES))
+    return jax.tree.map(split, batch)
+
+
+# How each router statistic of a step combines over micro-batches: summed counts, else the micro-batch mean.
+SUMMED_STATS = ("load_E", "overflow")
+
+
+def accumulated_loss_and_grads(params, batch, loss, cfg):
+    """(loss, aux, grads) of the whole batch from gradient_accumulation_steps micro-batches, one at a time (a scan):
+    the same update as one step over the batch. Each micro-batch's token-mean losses (cross-entropy, MTP, z-loss)
+    weigh by its share of the batch's real target tokens, so the sum is the batch's token mean; the load-balance
+    loss, a product of two batch means, is each micro-batch's own, averaged (as upstream MaxText does). Expert loads
+    and overflow are summed (the bias update takes the sign of the whole step's load), the other router statistics
+    averaged."""
+    steps = cfg.gradient_accumulation_steps
+    micro = micro_batches(batch, steps)
+    tokens_M = jnp.sum((micro["targets_segmentation"] != 0).astype(jnp.float32), axis=(1, 2))
+    share_M = tokens_M / jnp.maximum(jnp.sum(tokens_M), 1.0)
+
+    def weighted(p, b, share):
+        total, aux = loss(p, b)
+        lb = aux["moe_aux_loss"]
+        return (total - lb) * share + lb / steps, aux
+
+    grad_fn = jax.value_and_grad(weighted, has_aux=True)
+
+    def body(carry, xs):
+        b, share = xs
+        (value, aux), grads = grad_fn(params, b, share)
+        scale = {"lm_loss": share, "mtp_loss": share, "moe_z_loss": share, "moe_aux_loss": 1.0 / steps}
+        aux = {k: (v * scale[k] if k in scale else v) for k, v in aux.items()}
+        summed = jax.tree.map(jnp.add, carry, (value, grads, {k: aux[k] for k in scale}))
+        return summed, {k: aux[k] for k in ("moe", "mtp")}
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params),
+             {k: jnp.zeros(()) for k in ("lm_loss", "mtp_loss", "moe_z_loss", "moe_aux_loss")})
+    (value, grads, losses), routers = jax.lax.scan(body, zeros, (micro, share_M))
+    combined = {part: {k: (jnp.sum(v, axis=0) if k in SUMMED_STATS else jnp.mean(v, axis=0)) for k, v in stats.items()}
+                for part, stats in routers.items()}
+    return value, {**losses, **combined}, grads
+
+
 def train_step(state, batch, *, graphdef, cfg, tx):
-    """(state, batch) -> (new state, metrics). Pure; jit it with the state donated."""
+    """(state, batch) -> (new state, metrics). Pure; jit it with the state donated. With
+    gradient_accumulation_steps > 1 the batch is taken in that many micro-batches (accumulated_loss_and_grads)."""
     nnx_aux = state.get("nnx_aux")
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux),
-                                 has_aux=True)
-    (loss, aux), grads = grad_fn(state["params"], batch)
+    loss = functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux)
+    if cfg.gradient_accumulation_steps > 1:
+        loss_value, aux, grads = accumulated_loss_and_grads(state["params"], batch, loss, cfg)
+    else:
+        (loss_value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                  "opt_state": opt_state}
@@ -70,7 +126,7 @@ def train_step(state, batch, *, graphdef, cfg, tx):
         new_state["nnx_aux"] = update_moe_bias(nnx_aux, aux["moe"].get("load_E"), cfg.routed_bias_update_rate,
                                                aux["mtp"].get("load_E") if aux["mtp"] else None)
     metrics = {
-        "loss": loss,
+        "loss": loss_value,
         "lm_loss": aux["lm_loss"],
         "moe_aux_loss": aux["moe_aux_loss"],
         "moe_z_loss": aux["moe_z_loss"],

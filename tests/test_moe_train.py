@@ -66,3 +66,34 @@ def test_te_dropless_without_gpu_is_one_line_exit_2():
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "moe_impl=te_dropless" in lines[0] and "te_kernels=reference" in lines[0], lines
+
+
+@pytest.mark.parametrize("mesh, steps, extra", [
+    (["per_device_batch_size=4"], 4, ["moe_impl=dense"]),
+    ([*EP_MESH[:2], "per_device_batch_size=2"], 2,
+     ["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=0.01", "norm_topk_prob=true",
+      *IMPLS["ragged"]]),
+], ids=["fsdp8-dense-ga4", "fsdp2xep4-ragged-bias-ga2"])
+def test_gradient_accumulation_is_the_same_update_as_the_whole_batch(tmp_path, mesh, steps, extra):
+    """gradient_accumulation_steps=N takes each step's batch in N micro-batches and makes the update one step over
+    the whole batch makes: the same losses, gradient norms and (aux-loss-free) routing biases, step after step,
+    also with expert parallelism. (The load-balance loss, a product of two batch means, is per micro-batch, as
+    upstream's; it is off here, its default.)"""
+    common = [*mesh, *extra, "steps=3", "enable_checkpointing=false", "load_balance_loss_weight=0",
+              "learning_rate_schedule_steps=3"]
+    whole = run(tmp_path, "run_name=whole", *common)
+    accumulated = run(tmp_path, "run_name=accumulated", f"gradient_accumulation_steps={steps}", *common)
+    np.testing.assert_allclose(losses(accumulated), losses(whole), rtol=2e-5)
+    for key in ("grad_norm", "lm_loss"):
+        np.testing.assert_allclose([r[key] for r in accumulated], [r[key] for r in whole], rtol=2e-4, err_msg=key)
+    for key in ("moe_expert_load", "moe_bias_abs_mean"):
+        np.testing.assert_allclose(accumulated[-1][key], whole[-1][key], rtol=2e-4, atol=1e-7, err_msg=key)
+
+
+def test_gradient_accumulation_must_split_each_shard():
+    from MaxText import sharding
+    from MaxText.config import ConfigError
+
+    cfg = load_config(args(TINY, ["per_device_batch_size=2", "gradient_accumulation_steps=4"]))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 must divide each data shard's 2 rows"):
+        sharding.check_batch(cfg, sharding.create_mesh(cfg), 16)

@@ -175,3 +175,15 @@ def test_te_fp8_copies_are_counted(quantization, per_element):
     # short-lived set, which competes with attention's chunk of scores for the layer's peak.
     grown = fp8["bytes"]["activations"] - bf16["bytes"]["activations"]
     assert forward <= grown <= forward + backward, (grown, forward, backward)
+
+
+def test_gradient_accumulation_counts_one_micro_batch_of_activations_and_the_gradient_sum():
+    cfg = load_config(args(COMMON, ["model_name=deepseek3-tiny", "per_device_batch_size=8"]))
+    mesh_shape = sharding.mesh_shape(cfg, 8)
+    spec = state_spec(cfg, plan.abstract_mesh(mesh_shape))
+    one = plan.device_bytes(cfg, spec, mesh_shape, 8)[0]
+    with cfg.unlocked():
+        cfg.gradient_accumulation_steps = 4
+    four = plan.device_bytes(cfg, spec, mesh_shape, 8)[0]
+    assert four["gradients"] == 2 * one["gradients"] and four["params"] == one["params"]
+    assert four["activations"] < 0.3 * one["activations"], (four["activations"], one["activations"])

@@ -80,6 +80,19 @@ def test_fp8_and_full_overlap_change_what_they_should():
     assert full["step_s"] > sum(bf16["compute_s"].values()) / (1 - steptime.FULL_OVERLAP_SM_SHARE) * 0.99
 
 
+def test_gradient_accumulation_repeats_the_fsdp_and_dp_collectives_only():
+    """Micro-batches: the same tokens and FLOPs per step; each one gathers the weights and reduces its gradients
+    again. The GB200 recipe's layout with gradient_accumulation_steps=2 read from its config."""
+    m, hw = _model(), steptime.HARDWARE["gb200"]
+    cfg = load_config([GB200_RECIPE, "gradient_accumulation_steps=2"])
+    mesh = {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}
+    two = steptime.layout_from_config(cfg, mesh, 128)
+    assert two.grad_accumulation == 2
+    one, two = steptime.step_time(m, two._replace(grad_accumulation=1), hw), steptime.step_time(m, two, hw)
+    assert one["compute_s"] == two["compute_s"] and one["comm_s"]["ep"] == two["comm_s"]["ep"]
+    assert two["comm_s"]["fsdp"] == pytest.approx(2 * one["comm_s"]["fsdp"])
+
+
 def test_the_model_is_within_its_goal_of_every_published_run():
     """plan --validate: each published figure (sources in steptime.VALIDATION) within 25% of the model, with
     constants set once for all of them."""

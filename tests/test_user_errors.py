@@ -94,3 +94,20 @@ def test_a_mistake_is_one_line_and_exit_2(label, argv, phrase, capsys, tmp_path,
 
 def test_the_table_is_big_enough():
     assert len(MISTAKES) >= 40
+
+
+@pytest.mark.parametrize("arg", ["base_output_directory=gs://bucket/runs", "load_parameters_path=gs://b/ckpt/0/items",
+                                 "load_full_state_path=s3://b/run/checkpoints/5/items", "dataset_path=gs://b/tfds"])
+def test_a_remote_url_is_refused_in_one_line_and_no_local_folder_appears(tmp_path, arg):
+    """gs:// and s3:// are refused at start-up (mount the bucket instead) before anything is created: the trainer
+    used to make a local folder named 'gs:' and fail at its first save."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "MaxText.train", os.path.join(root, "configs", "base.yml"), arg],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=root))
+    key = arg.split("=")[0]
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {key}=") and "URL" in result.stderr, result
+    assert result.stderr.strip().count("\n") == 0 and os.listdir(tmp_path) == [], (result.stderr, os.listdir(tmp_path))

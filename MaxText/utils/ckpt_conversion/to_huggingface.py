@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.config_checks import remote_path_error
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, DeepSeek, Mixtral, Qwen3Moe, placements, to_theirs
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK, write_file
@@ -154,6 +155,8 @@ def export(argv: list[str], log=print) -> str:
         raise ConfigError(f"hf_shard_gb={opts['hf_shard_gb']} is not a number") from None
     if not out_dir:
         raise ConfigError("base_output_directory=<directory> is required (the Hugging Face directory to write)")
+    if remote_path_error("base_output_directory", out_dir):
+        raise ConfigError(remote_path_error("base_output_directory", out_dir))
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"base_output_directory={out_dir} exists and is not empty; choose a new directory")

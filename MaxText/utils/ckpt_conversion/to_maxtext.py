@@ -48,6 +48,7 @@ import numpy as np
 import yaml
 
 from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.config_checks import remote_path_error
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
@@ -68,6 +69,8 @@ def _split_argv(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
     for key in ("hf_model_path", "base_output_directory"):
         if not found.get(key):
             raise ConfigError(f"{key}=<directory> is required")
+        if remote_path_error(key, found[key]):
+            raise ConfigError(remote_path_error(key, found[key]))
     ignore = [f for f in found.get("hf_ignore_fields", "").split(",") if f]
     return found["hf_model_path"], found["base_output_directory"], ignore, rest
 
