@@ -42,8 +42,8 @@ def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
     MoE layer, the MTP depth's included (its stats used to reach only the losses and the bias), with one
     meaning across impls (dropped_fraction = dropped slots / real slots; ragged used to report 0 beside a
     positive overflow), and in evaluation too (eval_step used to discard them)."""
-    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=32", "steps=2",
-                       "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
+    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32",
+                       "max_target_length=32", "steps=2", "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "dataset_type=synthetic", "eval_interval=2", "eval_steps=1", "moe_impl=ragged",
                        "ragged_buffer_factor=0.5", f"base_output_directory={tmp_path}", "run_name=drops"])
@@ -60,3 +60,10 @@ def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
     np.testing.assert_allclose(evals[0]["eval_moe_dropped_fraction"], np.asarray(evals[0]["eval_moe_overflow"]) / slots,
                                rtol=1e-6)
     assert min(evals[0]["eval_moe_overflow"]) > 0
+    # The report of this run (MTP and eval: it used to crash) draws every plot, naming decoder layers and the depth
+    from MaxText import report
+
+    paths = report.write_report(str(tmp_path / "drops"), log=lambda *_: None)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["loss.png", "throughput.png", "expert_load.png", "moe_balance.png"]
+    run_config = report.read_run_config(str(tmp_path / "drops" / "metrics" / "config.yml"))
+    assert report.layer_names(run_config, 4) == ["decoder layer 1", "decoder layer 2", "decoder layer 3", "MTP depth 1"]

@@ -142,29 +142,3 @@ def test_cli_errors_are_one_line(tmp_path, capsys, case, content, message):
     assert captured.out == "", case
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, captured.err)
-
-
-def test_a_deepseek3_tiny_run_with_mtp_and_eval_reports_with_decoder_layer_names(tmp_path):
-    """DeepSeek's layout: a dense first layer, then MoE layers, then the MTP depth's MoE layer; evaluation logs the
-    decoder's MoE layers only. The report draws every plot and names each layer by its decoder layer or depth."""
-    import logging
-
-    from MaxText.config import load_config
-    from tests.tiny import train_records
-
-    logging.disable(logging.WARNING)
-    try:
-        cfg = load_config(["model_name=deepseek3-tiny", "steps=2", "eval_interval=2", "eval_steps=1", "log_period=1",
-                           "dataset_type=synthetic", "max_target_length=16", "per_device_batch_size=1",
-                           "enable_checkpointing=false", f"base_output_directory={tmp_path}", "run_name=ds3"])
-    finally:
-        logging.disable(logging.NOTSET)
-    records = train_records(cfg)
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
-    decoder_moe = cfg.base_num_decoder_layers - cfg.first_num_dense_layers
-    assert len(train[0]["moe_overflow"]) == decoder_moe + cfg.mtp_num_layers == len(evals[0]["eval_moe_overflow"]) + 1
-    paths = report.write_report(str(tmp_path / "ds3"), log=lambda *_: None)
-    assert [p.rsplit("/", 1)[1] for p in paths] == ["loss.png", "throughput.png", "expert_load.png", "moe_balance.png"]
-    names = report.layer_names(report.read_run_config(str(tmp_path / "ds3" / "metrics" / "config.yml")), 4)
-    assert names == ["decoder layer 1", "decoder layer 2", "decoder layer 3", "MTP depth 1"]

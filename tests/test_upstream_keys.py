@@ -65,7 +65,6 @@ def test_no_op_keys_take_any_value_and_are_listed_in_one_line(caplog):
 
 @pytest.mark.parametrize("key,off,on,reason", [
     ("use_multimodal", "false", "true", "vision, audio and multimodal input"),
-    ("gradient_accumulation_steps", "1", "4", "gradient accumulation"),
     ("ici_pipeline_parallelism", "1", "2", "a parallelism or sharding scheme"),
     ("quantization", "", "fp8", "quantized training"),
     ("sliding_window_size", "0", "4096", "an architecture feature"),
