@@ -13,8 +13,9 @@ IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
 
 
 def run(tmp_path, impl):
-    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=32", "steps=4",
-                       "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
+    cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32",
+                       "max_target_length=32", "steps=4", "log_period=1", "enable_checkpointing=false",
+                       "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "routed_bias_update_rate=0.01", "dataset_type=synthetic", "eval_interval=-1",
                        f"base_output_directory={tmp_path}", f"run_name={impl}",
@@ -43,7 +44,8 @@ def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
     meaning across impls (dropped_fraction = dropped slots / real slots; ragged used to report 0 beside a
     positive overflow), and in evaluation too (eval_step used to discard them)."""
     cfg = load_config(["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32",
-                       "max_target_length=32", "steps=2", "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false",
+                       "max_target_length=32", "steps=2", "log_period=1", "enable_checkpointing=false",
+                       "enable_tensorboard=false",
                        "ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1",
                        "dataset_type=synthetic", "eval_interval=2", "eval_steps=1", "moe_impl=ragged",
                        "ragged_buffer_factor=0.5", f"base_output_directory={tmp_path}", "run_name=drops"])

@@ -44,7 +44,9 @@ def test_two_processes_each_read_their_own_shard_of_a_grain_corpus(tmp_path):
     """Real files across processes: two processes train on ArrayRecord files through Grain (with its default
     worker process each) and checkpoint the position each reached; each is exactly where that process's shard,
     read in this process, is after the same batches. (Every pipeline's shards are disjoint and cover the split:
-    tests/test_data.py.)"""
+    tests/test_data.py.) The two are started as upstream MaxText's GPU launch starts them: JAX_COORDINATOR_IP,
+    JAX_COORDINATOR_PORT, NNODES and NODE_RANK, one process per node with every device it sees (4 here); the
+    test above starts them with scripts/launch.sh's variables."""
     from MaxText.data import make_data
     from tests import corpora
     from tests.tiny import args as merged
@@ -54,12 +56,14 @@ def test_two_processes_each_read_their_own_shard_of_a_grain_corpus(tmp_path):
     source = [a for a in corpora.config_args("grain", corpus) if not a.startswith("grain_worker_count=")]
     argv = merged(TINY, source, ["vocab_size=259", f"base_output_directory={tmp_path}", "steps=2",
                                  "checkpoint_period=2", "learning_rate_schedule_steps=2", "run_name=two"])
-    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COORDINATOR_IP="127.0.0.1",
+               JAX_COORDINATOR_PORT=str(_free_port()), NNODES="2",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
-    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), "--local", "2",
-                             os.path.join(ROOT, "configs", "base.yml"), *argv],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    procs = [subprocess.Popen([sys.executable, "-m", "MaxText.train", *argv], cwd=ROOT, env=dict(env, NODE_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in outs[0], outs[0]
     with open(tmp_path / "two" / "checkpoints" / "2" / "input" / "metadata") as f:
         saved = json.load(f)
     cfg = load_config(argv + ["grain_worker_count=0"])
@@ -78,23 +82,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_upstreams_multi_node_variables_start_jax_distributed(tmp_path):
-    """MaxText's GPU launch variables (JAX_COORDINATOR_IP/PORT, NNODES, NODE_RANK; one process per node with every
-    device it sees): two processes of 4 CPU devices each join into one 8-device mesh and train together."""
-    args = TINY + [f"base_output_directory={tmp_path}", "steps=2", "log_period=1", "enable_checkpointing=false",
-                   "run_name=nodes"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COORDINATOR_IP="127.0.0.1",
-               JAX_COORDINATOR_PORT=str(_free_port()), NNODES="2",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
-    procs = [subprocess.Popen([sys.executable, "-m", "MaxText.train", *args], cwd=ROOT, env=dict(env, NODE_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert "mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in outs[0], outs[0]
-    with open(tmp_path / "nodes" / "metrics" / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2]
 
 
 @pytest.mark.parametrize("env, needle", [
