@@ -412,11 +412,12 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     biases (`nnx_aux`) are read when this model has them and the checkpoint holds them: a DeepSeek-style model
     whose bias restarted at zero would route every token differently at step 0."""
     path = _item_dir(path, "load_parameters_path")
-    if any(name.startswith(UPSTREAM_TREE) for name in _saved_names(path)):
+    saved = _saved_names(path)
+    if any(name.startswith(UPSTREAM_TREE) for name in saved):
         raise ConfigError(f"load_parameters_path={path} is upstream MaxText's parameter tree (params/params/decoder/"
                           f"...), not this trainer's: {UPSTREAM_CONVERSION}")
     item = {"params": abstract_params}
-    if abstract_aux is not None and "nnx_aux" in _top_level_items(path):
+    if abstract_aux is not None and "nnx_aux" in {name.split(".")[0] for name in saved}:
         item["nnx_aux"] = abstract_aux
     _check_manifest(path, item, "load_parameters_path", cfg)
     restore_args = ocp.checkpoint_utils.construct_restore_args(item)
@@ -430,7 +431,7 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     absent.sort(key=lambda name: not name.startswith("['params']"))
     if absent:
         raise ConfigError(f"load_parameters_path={path} holds no {absent[0]} ({len(absent)} parameters this config "
-                          f"needs are not in it); {_absent_reason(path, absent)}")
+                          f"needs are not in it); {_absent_reason(saved, absent)}")
     return restored["params"], restored.get("nnx_aux")
 
 
@@ -448,10 +449,9 @@ UPSTREAM_CONVERSION = ("convert it with upstream's python -m maxtext.checkpoint_
                        "that directory with python -m MaxText.utils.ckpt_conversion.to_maxtext")
 
 
-def _absent_reason(path: str, absent: list[str]) -> str:
+def _absent_reason(saved: list[str], absent: list[str]) -> str:
     """Why a checkpoint lacks parameters this config needs, as far as its own names tell: the other scan_layers
-    layout, or no MTP depths; else which config to use."""
-    saved = _saved_names(path)
+    layout, or no MTP depths; else which config to use. `saved`: the checkpoint's names (_saved_names)."""
     unrolled = any(".layers_0." in name for name in saved)
     stacked = any(re.search(r"_layers\.layers\.", name) for name in saved)
     wants_stacked = any("['layers']" in name for name in absent)
@@ -464,10 +464,4 @@ def _absent_reason(path: str, absent: list[str]) -> str:
         return "it has no Multi-Token Prediction depths: set mtp_num_layers=0"
     return "use the config it was written for (model_name and the model keys)"
 
-
-def _top_level_items(path: str) -> set[str]:
-    """The top-level names of the tree saved in an item directory (from Orbax's _METADATA)."""
-    with open(os.path.join(path, "_METADATA")) as f:
-        tree = json.load(f).get("tree_metadata", {})
-    return {entry["key_metadata"][0]["key"] for entry in tree.values() if entry.get("key_metadata")}
 

@@ -299,16 +299,6 @@ def _model_file(model_name: str, config_path: str) -> str:
                       f"{_nearest(model_name, known)}")
 
 
-def _override_model_config(chain, overrides: dict[str, str], defaults: dict[str, Any]) -> bool:
-    """override_model_config as the command line, else the last config file setting it, gives it."""
-    if "override_model_config" in overrides:
-        return _value("override_model_config", overrides["override_model_config"], defaults, COMMAND_LINE)
-    for path, layer in reversed(chain):
-        if "override_model_config" in layer:
-            return _value("override_model_config", layer["override_model_config"], defaults, f"in {path}")
-    return defaults["override_model_config"]
-
-
 def _model_layer(model_path: str, model: dict[str, Any], chain, root: bool, overrides: dict[str, str],
                  defaults: dict[str, Any], override: bool) -> dict[str, Any]:
     """The model file's values that apply over the config chain: upstream's precedence (config files, then the
@@ -394,7 +384,8 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
         model_path = _model_file(str(model_name), config_path)
         model = _read_yaml(model_path)
         upstream.check_model_file(model_path, model)
-        override = _override_model_config(chain, overrides, defaults)
+        override = (_value("override_model_config", overrides["override_model_config"], defaults, COMMAND_LINE)
+                    if "override_model_config" in overrides else values["override_model_config"])  # chain merged
         _merge(values, _model_layer(model_path, model, chain, root, overrides, defaults, override), defaults,
                f"in {model_path}", foreign)
         upstream.model_defaults(values, set(model) | explicit, model_path)

@@ -155,8 +155,9 @@ def export(argv: list[str], log=print) -> str:
         raise ConfigError(f"hf_shard_gb={opts['hf_shard_gb']} is not a number") from None
     if not out_dir:
         raise ConfigError("base_output_directory=<directory> is required (the Hugging Face directory to write)")
-    if remote_path_error("base_output_directory", out_dir):
-        raise ConfigError(remote_path_error("base_output_directory", out_dir))
+    error = remote_path_error("base_output_directory", out_dir)
+    if error:
+        raise ConfigError(error)
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"base_output_directory={out_dir} exists and is not empty; choose a new directory")

@@ -69,8 +69,9 @@ def _split_argv(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
     for key in ("hf_model_path", "base_output_directory"):
         if not found.get(key):
             raise ConfigError(f"{key}=<directory> is required")
-        if remote_path_error(key, found[key]):
-            raise ConfigError(remote_path_error(key, found[key]))
+        error = remote_path_error(key, found[key])
+        if error:
+            raise ConfigError(error)
     ignore = [f for f in found.get("hf_ignore_fields", "").split(",") if f]
     return found["hf_model_path"], found["base_output_directory"], ignore, rest
 
