@@ -380,6 +380,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     if model_name is None:
         for _, layer in chain:
             model_name = layer.get("model_name", model_name)
+    model: dict[str, Any] = {}
     if model_name not in (None, "", "null", "default"):
         model_path = _model_file(str(model_name), config_path)
         model = _read_yaml(model_path)
@@ -392,6 +393,8 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
         explicit |= set(model)
     _merge(values, overrides, defaults, COMMAND_LINE, foreign)
     upstream.apply(values, defaults, foreign, explicit)
+    # what the user's files and command line state, a copy of upstream's base.yml (the chain's root) left out
+    upstream.block_routing(values, set(overrides) | set(model) | set().union(*(layer for _, layer in chain[root:])))
     _map_upstream_spellings(values, "moe_impl" in explicit)
     if values["model_name"] == "default":  # upstream's name for "no model file"
         values["model_name"] = None

@@ -446,6 +446,32 @@ def model_defaults(values: dict[str, Any], given: set[str], model_path: str) -> 
                                                   for k in left))
 
 
+def block_routing_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """The routing keys whose value upstream's decoder_block fixes, whatever its config says (its moe.py):
+    mixtral and qwen3_moe take the softmax over the top-k router logits (softmax scores renormalised over the k
+    chosen: norm_topk_prob true); deepseek renormalises sigmoid scores over the k chosen and never softmax ones."""
+    block = values.get("decoder_block")
+    if block in ("mixtral", "qwen3_moe"):
+        return {"routed_score_func": "softmax", "norm_topk_prob": True}
+    if block == "deepseek" and values.get("num_experts", 1) > 1:
+        return {"norm_topk_prob": values["routed_score_func"] == "sigmoid"}
+    return {}
+
+
+def block_routing(values: dict[str, Any], stated: set[str]) -> None:
+    """decoder_block's routing as upstream builds it (block_routing_keys). A key `stated` (by the model file, the
+    command line or a config file other than a copy of upstream's base.yml) that asks otherwise is a one-line
+    error rather than a model upstream would not build; an unstated one takes the block's value."""
+    from MaxText.config import ConfigError
+    for key, want in block_routing_keys(values).items():
+        if values[key] != want:
+            if key in stated:
+                raise ConfigError(f"decoder_block={values['decoder_block']} routes as {key}={show(want)} here (as "
+                                  f"MaxText builds the block, whatever its config says), but {key}="
+                                  f"{show(values[key])} is set; remove {key} or decoder_block")
+            values[key] = want
+
+
 def implemented_keys() -> list[str]:
     """Upstream's keys that configs/base.yml has (same name, upstream's meaning), in upstream's order."""
     from MaxText.config import BASE_CONFIG, _read_yaml

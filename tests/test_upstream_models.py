@@ -82,9 +82,16 @@ def test_every_shipped_moe_model_file_is_covered():
     assert shipped == set(BUILT) | set(REFUSED)
 
 
+# Whether upstream's router renormalises the k chosen weights, by the model's family (its moe.py: Mixtral and Qwen3
+# take the softmax over the top-k logits whatever norm_topk_prob says, DeepSeek renormalises sigmoid scores, not
+# DeepSeek-V2's softmax ones), checked against the logits of upstream's own checkpoints in test_upstream_ckpt.
+RENORMALISED = {"mixtral": True, "qwen3": True, "deepseek2": False, "deepseek3": True, "kimi": True}
+
+
 @pytest.mark.parametrize("name", sorted(BUILT))
 def test_upstream_model_file_gives_upstreams_parameter_count(name):
     cfg = load_config([f"model_name={path_of(name)}", "hardware=cpu"])
+    assert cfg.norm_topk_prob is RENORMALISED[name.split("-")[0]], name
     counts = parameter_counts(cfg)
     assert counts.total == closed_form_count(upstream_view(name)), (name, counts.total)
     if BUILT[name] is not None:
@@ -98,6 +105,13 @@ def test_upstreams_base_yml_with_a_model_name_trains_that_model(tmp_path):
     path.write_text(yaml.safe_dump(dict(upstream.upstream_defaults(), hardware="cpu")))
     cfg = load_config([str(path), f"model_name={path_of('mixtral-8x7b')}"])
     assert parameter_counts(cfg).total == closed_form_count(upstream_view("mixtral-8x7b")) == 46_702_792_704
+    assert cfg.norm_topk_prob is True  # base.yml's norm_topk_prob: false is a default upstream's Mixtral ignores
+
+
+@pytest.mark.parametrize("key", ["norm_topk_prob=false", "routed_score_func=sigmoid"])
+def test_a_routing_that_upstreams_block_would_not_build_stops_in_one_line(key):
+    with pytest.raises(ConfigError, match=f"decoder_block=mixtral routes as {key.split('=')[0]}=.*remove"):
+        load_config([f"model_name={path_of('mixtral-8x7b')}", "hardware=cpu", key])
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
