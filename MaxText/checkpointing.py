@@ -252,6 +252,8 @@ class Checkpointer:
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
         verified against the step's checksums (steps saved before checksums existed restore unverified)."""
         step_dir = os.path.join(self.directory, str(step))
+        if os.path.isfile(os.path.join(step_dir, ITEM, "_METADATA")):
+            refuse_upstream_state(os.path.join(step_dir, ITEM), f"the run's checkpoint {step_dir}")
         manifest = None
         if os.path.isdir(os.path.join(step_dir, CHECKSUMS)):  # read first: another model's checkpoint is a config
             manifest = self.manager.restore(  # mistake, not a damaged step
@@ -397,6 +399,7 @@ def load_full_state(path: str, abstract_state, cfg=None):
     optimizer) and, when the step beside it holds one, the input position, so the loaded run reads on
     where its source stopped."""
     path = _item_dir(path, "load_full_state_path")
+    refuse_upstream_state(path, "load_full_state_path")
     _check_manifest(path, abstract_state, "load_full_state_path", cfg)
     with _restoring("load_full_state_path", path), ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(path, abstract_state)
@@ -442,11 +445,21 @@ def _saved_names(path: str) -> list[str]:
     return [".".join(str(k["key"]) for k in entry.get("key_metadata", ())) for entry in tree.values()]
 
 
-# Upstream MaxText's parameter tree (its Orbax items hold params/params/decoder/..., token_embedder beside it), and
-# the way to bring one here until a direct converter exists.
+# Upstream MaxText's parameter tree (its Orbax items hold params/params/decoder/..., token_embedder beside it; a
+# params-only item params/decoder/...), and the way to bring one here.
 UPSTREAM_TREE = ("params.params.decoder.", "params.decoder.")
-UPSTREAM_CONVERSION = ("convert it with upstream's python -m maxtext.checkpoint_conversion.to_huggingface, then import "
-                       "that directory with python -m MaxText.utils.ckpt_conversion.to_maxtext")
+UPSTREAM_CONVERSION = ("convert it with python -m MaxText.utils.ckpt_conversion.from_upstream <this config and model "
+                       "keys> load_parameters_path=<it> base_output_directory=<out>, then load <out>/0/items")
+
+
+def refuse_upstream_state(path: str, what: str) -> None:
+    """A train state that upstream MaxText wrote does not resume here: one line saying how to start from its
+    params instead (its optimizer state is laid out for upstream's optimizer tree, which is not converted)."""
+    if any(name.startswith(UPSTREAM_TREE) for name in _saved_names(path)):
+        key = what if what.endswith("_path") else ""
+        raise ConfigError(f"{key + '=' + path if key else what} is upstream MaxText's train state "
+                          "(params/params/decoder/...), which does not resume here (its optimizer state is not "
+                          f"converted); start from its params instead: {UPSTREAM_CONVERSION} as load_parameters_path")
 
 
 def _absent_reason(saved: list[str], absent: list[str]) -> str:

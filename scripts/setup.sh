@@ -59,5 +59,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# Upstream MaxText's module paths (python -m maxtext.trainers.pre_train.train, ...) on the venv's sys.path.
-"$venv/bin/python" "$root/scripts/upstream_paths.py"
+# Upstream MaxText's module paths (python -m maxtext.trainers.pre_train.train, ...) on the project venv's sys.path
+# (not on another venv's: .venv-maxtext holds upstream's real maxtext package).
+if [ -z "${REQUIREMENTS:-}" ]; then "$venv/bin/python" "$root/scripts/upstream_paths.py"; fi

@@ -35,7 +35,6 @@ written tensor by tensor (write_items), so the host holds about the largest sing
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -43,7 +42,6 @@ import sys
 import tempfile
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 import yaml
 
@@ -51,6 +49,7 @@ from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.config_checks import remote_path_error
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
+from MaxText.utils.ckpt_conversion.orbax_io import ArrayOut, create_items
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
 
 # Tensors a release carries that have no parameter of their own here.
@@ -203,65 +202,25 @@ def plan_leaves(cfg, ckpt: Checkpoint, family, abstract: dict, log) -> list[Leaf
     return leaves
 
 
-ZARR_DTYPES = {np.dtype(np.float32): "<f4", np.dtype(np.float16): "<f2", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
-
-
 def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> None:
-    """Orbax's (non-OCDBT) layout of the saved tree, written one layer of one parameter at a time: Orbax writes the
-    tree's structure with one-element stand-ins, then each array is recreated full size by TensorStore (a zarr
-    array per parameter, a chunk per layer) and filled layer by layer, and the shapes in Orbax's metadata are
-    set to the real ones. Peak memory: the largest single tensor (with its float32 copy): the embedding or the
-    head, not the model, nor a layer's stacked experts (written expert by expert)."""
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-
-    stand_ins = {}
+    """The saved tree in Orbax's layout (orbax_io.create_items), filled one layer of one parameter at a time (a
+    chunk per layer, and per expert). Peak memory: the largest single tensor (with its float32 copy): the embedding
+    or the head, not the model, nor a layer's stacked experts (written expert by expert)."""
+    arrays = []
     for leaf in leaves:
-        node = stand_ins
-        for k in leaf.key[:-1]:
-            node = node.setdefault(k, {})
-        node[leaf.key[-1]] = jnp.zeros((1,) * len(leaf.shape), leaf.dtype)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
-        checkpointer.save(item_dir, args=ocp.args.PyTreeSave(stand_ins))
-    del stand_ins
-    chunks = {}
+        lead = (1,) * (int(leaf.place.stacked) + int(leaf.place.rule.kind == "experts"))
+        arrays.append(ArrayOut(leaf.key, leaf.shape, leaf.dtype, (*lead, *leaf.shape[len(lead):])))
+    stores = create_items(item_dir, arrays)
     for leaf in leaves:
-        name = ".".join(leaf.key)
-        experts = leaf.place.rule.kind == "experts"
-        lead = (1,) * (int(leaf.place.stacked) + int(experts))  # one chunk per layer, and per expert
-        chunk = (*lead, *leaf.shape[len(lead):])
-        chunks[name] = chunk
-        array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(item_dir, name)},
-                         "metadata": {"shape": list(leaf.shape), "chunks": list(chunk),
-                                      "dtype": ZARR_DTYPES[leaf.dtype], "compressor": None,
-                                      "dimension_separator": "."}},
-                        create=True, delete_existing=True).result()
+        array = stores[".".join(leaf.key)]
         for j, prefix in enumerate(leaf.place.prefixes):
             layer = array[j] if leaf.place.stacked else array
-            if experts:  # expert by expert: at most one expert's weight in memory
+            if leaf.place.rule.kind == "experts":  # expert by expert: at most one expert's weight in memory
                 for e, expert in enumerate(_names(leaf.place, prefix, cfg)):
                     layer[e].write(np.asarray(ckpt.weight(expert).T, leaf.dtype)).result()
             else:
                 part = to_ours(leaf.place.rule, lambda name: ckpt.weight(prefix + name))  # noqa: B023 - called here
                 layer.write(np.asarray(part, leaf.dtype)).result()
-    meta_path = os.path.join(item_dir, "_METADATA")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    shapes = {".".join(leaf.key): list(leaf.shape) for leaf in leaves}
-    for entry in meta["tree_metadata"].values():
-        name = ".".join(str(k["key"]) for k in entry["key_metadata"])
-        entry["value_metadata"]["write_shape"] = shapes[name]
-    with open(meta_path, "w") as f:
-        json.dump(meta, f)
-    for path in glob.glob(os.path.join(item_dir, "array_metadatas", "*")):
-        with open(path) as f:
-            arrays = json.load(f)
-        for entry in arrays.get("array_metadatas", []):
-            info = entry["array_metadata"]
-            info["write_shape"], info["chunk_shape"] = shapes[info["param_name"]], list(chunks[info["param_name"]])
-        with open(path, "w") as f:
-            json.dump(arrays, f)
 
 
 def convert(argv: list[str], log=print) -> str:
