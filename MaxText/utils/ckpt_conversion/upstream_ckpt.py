@@ -5,7 +5,7 @@ Upstream's Orbax items hold params/params/<tree> (its Linen-shaped layout, which
 for DeepSeek, the routing biases under nnx_aux/model/<tree>; a params-only item (params/<tree>) reads the same.
 The weights have the same layout in both trainers (kernels [in, ..., out], experts [experts, in, out]); what
 differs is the names and, for scanned layers, the layer axis: axis 0 here, axis param_scan_axis (upstream's key,
-default 1) in upstream's params and axis 0 in its nnx_aux. Names, upstream against here:
+at its default 1) in upstream's params and axis 0 in its nnx_aux. Names, upstream against here:
 
     decoder.decoder_norm, decoder.logits_dense.kernel, token_embedder.embedding
                                               decoder_norm, token_embedder.logits_dense, token_embedder.embedding
@@ -47,6 +47,9 @@ BLOCKS = {"mixtral": ("MoeBlock_0", None), "qwen3_moe": ("moe_block", None),
           "deepseek": ("DeepSeekMoeBlock_0.MoeBlock_0", "DeepSeekMoeBlock_0.shared_experts")}
 ROOTS = ("params.params.", "params.")          # a training checkpoint's, a params-only one's
 AUX_ROOT = "nnx_aux.model."
+# The layer axis of upstream's scanned params: its param_scan_axis, at its default (a checkpoint written with
+# another value fails the shape check, naming the array).
+SCAN_AXIS = 1
 KERNELS = {"wq": "query", "wk": "key", "wv": "value", "wo": "out", "out": "out", "wq_a": "wq_a", "wq_b": "wq_b",
            "wkv_a": "wkv_a", "wkv_b": "wkv_b"}
 MTP_NAMES = {"embedding_norm": "embedding_norm", "hidden_norm": "hidden_state_norm", "final_norm": "final_norm",
@@ -105,7 +108,6 @@ def pairs(cfg, upstream_scanned: bool, root: str) -> list[Pair]:
     (scanned or not; `root` its params prefix)."""
     block, shared = _check_config(cfg)
     family = DECODER_BLOCKS[cfg.decoder_block]()
-    scan_axis = int(getattr(cfg, "param_scan_axis", 1) or 1)
     query_scale = float(np.sqrt(cfg.head_dim)) if cfg.decoder_block == "mixtral" else 1.0
     out = []
     for place in placements(cfg, family):
@@ -127,7 +129,7 @@ def pairs(cfg, upstream_scanned: bool, root: str) -> list[Pair]:
             scale = query_scale if suffix == "self_attention.wq" else 1.0
             for j, ours in zip(range(first, first + count), ours_slots):
                 if upstream_scanned:
-                    slot = Slot(f"{top}decoder.{stack}.{theirs}", j, 0 if aux else scan_axis)
+                    slot = Slot(f"{top}decoder.{stack}.{theirs}", j, 0 if aux else SCAN_AXIS)
                 else:
                     slot = Slot(f"{top}decoder.{stack}_{j}.{theirs}", None, 0)
                 out.append(Pair(ours, slot, experts, False, scale))
@@ -325,7 +327,8 @@ def to_upstream(argv: list[str], log=print) -> str:
     if any(n.startswith(ROOTS[0] + "decoder.") for n in source.names):
         raise ConfigError(f"load_parameters_path={path} is upstream MaxText's tree already")
     pairs_ = pairs(cfg, bool(cfg.scan_layers), ROOTS[0])
-    if not any(p.ours.name in source for p in pairs_ if p.ours.name.startswith("nnx_aux.")):
+    if cfg.routed_bias and not any(p.ours.name in source for p in pairs_ if p.ours.name.startswith("nnx_aux.")):
+        log(f"{path} holds no routing biases (nnx_aux): exported without them")
         pairs_ = [p for p in pairs_ if not p.ours.name.startswith("nnx_aux.")]
     wanted = abstract_tree(cfg)
     for p in pairs_:
