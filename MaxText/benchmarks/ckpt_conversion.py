@@ -1,13 +1,15 @@
 """Peak host memory of a Hugging Face import against the checkpoint's size:
 
-    python -m MaxText.benchmarks.ckpt_conversion [--layers 8 --experts 64 --dim 1024 --fp8 --json PATH]
+    python -m MaxText.benchmarks.ckpt_conversion [--layers 8 --experts 64 --dim 1024 --fp8 --upstream --json PATH]
 
 Writes a synthetic DeepSeek-V3-layout checkpoint (bf16, or DeepSeek's FP8 blocks with --fp8) into a temporary
 directory, imports it with MaxText.utils.ckpt_conversion.to_maxtext in a child process, and reports the child's
 peak resident memory (from after its imports) beside the checkpoint's bytes, the float32 model's bytes and the
 largest single tensor (the embedding: what the streaming import holds at once), plus the child's resident memory
-once its imports are done (the Python/JAX baseline). Linux only (/proc). Prints a table and one JSON line; never
-part of the test suite.
+once its imports are done (the Python/JAX baseline). With --upstream, the import is then exported to upstream
+MaxText's tree (to_upstream) and that export imported back (from_upstream), each in its own child, measured the
+same way (the streaming copy of upstream_ckpt: one layer of one array, expert by expert). Linux only (/proc).
+Prints a table and one JSON line; never part of the test suite.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ GIB = 2 ** 30
 # The child resets its peak-RSS mark once its imports are done (Linux: /proc/self/clear_refs), so neither the
 # imports nor the parent it was forked from count in the peak it reports (VmHWM, in KiB).
 CHILD = """
-import sys
-from MaxText.utils.ckpt_conversion import to_maxtext
+import importlib, sys
+tool = importlib.import_module("MaxText.utils.ckpt_conversion." + sys.argv[1])
 import jax, orbax.checkpoint, tensorstore
 def status(key):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
 open("/proc/self/clear_refs", "w").write("5")
 base = status("VmRSS")
-code = to_maxtext.main(sys.argv[1:])
+code = tool.main(sys.argv[2:])
 print("RSS", base, status("VmHWM"))
 sys.exit(code)
 """
@@ -110,12 +112,27 @@ def synthetic_release(directory: str, layers: int, experts: int, dim: int, fp8: 
     return {"config": config, "largest_tensor_bytes": vocab * dim * 4}  # the embedding (and head), float32
 
 
+def _child(tool: str, *argv: str) -> tuple[int, int]:
+    """(resident KiB after imports, peak resident KiB) of one conversion tool run in a child process."""
+    child = subprocess.run([sys.executable, "-c", CHILD, tool, *argv], capture_output=True, text=True,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if child.returncode:
+        raise SystemExit(f"{tool} failed:\n{child.stdout[-2000:]}{child.stderr[-2000:]}")
+    base_kib, peak_kib = (int(x) for x in child.stdout.split("RSS ")[-1].split())
+    return base_kib, peak_kib
+
+
+def _bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m MaxText.benchmarks.ckpt_conversion", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--fp8", action="store_true", help="DeepSeek's FP8 block format instead of bf16")
+    p.add_argument("--upstream", action="store_true", help="also export to upstream MaxText's tree and back")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,23 +140,28 @@ def main(argv=None) -> int:
         os.makedirs(hf_dir)
         made = synthetic_release(hf_dir, args.layers, args.experts, args.dim, args.fp8)
         size = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir))
-        child = subprocess.run([sys.executable, "-c", CHILD, "configs/base.yml", f"hf_model_path={hf_dir}",
-                                f"base_output_directory={out}", "dtype=float32"],
-                               capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        if child.returncode:
-            print(child.stdout + child.stderr, file=sys.stderr)
-            return 1
-        base_kib, peak_kib = (int(x) for x in child.stdout.split("RSS ")[-1].split())
-        written = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(out) for f in fs)
-    result = {"checkpoint_bytes": size, "format": "fp8" if args.fp8 else "bf16", "float32_model_bytes": written,
-              "largest_tensor_bytes": made["largest_tensor_bytes"], "baseline_rss_bytes": base_kib * 1024,
-              "peak_rss_bytes": peak_kib * 1024}
-    rows = [("checkpoint (" + result["format"] + ")", size), ("written (float32 params)", written),
-            ("largest single tensor (float32)", result["largest_tensor_bytes"]),
-            ("child RSS after imports", result["baseline_rss_bytes"]), ("child peak RSS", result["peak_rss_bytes"]),
-            ("peak RSS above the baseline", result["peak_rss_bytes"] - result["baseline_rss_bytes"])]
+        base_kib, peak_kib = _child("to_maxtext", "configs/base.yml", f"hf_model_path={hf_dir}",
+                                    f"base_output_directory={out}", "dtype=float32")
+        written = _bytes(out)
+        result = {"checkpoint_bytes": size, "format": "fp8" if args.fp8 else "bf16", "float32_model_bytes": written,
+                  "largest_tensor_bytes": made["largest_tensor_bytes"], "baseline_rss_bytes": base_kib * 1024,
+                  "peak_rss_bytes": peak_kib * 1024}
+        rows = [("checkpoint (" + result["format"] + ")", size), ("written (float32 params)", written),
+                ("largest single tensor (float32)", result["largest_tensor_bytes"]),
+                ("child RSS after imports", result["baseline_rss_bytes"]), ("child peak RSS", result["peak_rss_bytes"]),
+                ("peak RSS above the baseline", result["peak_rss_bytes"] - result["baseline_rss_bytes"])]
+        if args.upstream:
+            keys = ["configs/base.yml", f"model_name={out}/model.yml", "dtype=float32"]
+            for tool, source, target in (("to_upstream", f"{out}/0/items", "upstream"),
+                                         ("from_upstream", f"{tmp}/upstream/0/items", "back")):
+                base_kib, peak_kib = _child(tool, *keys, f"load_parameters_path={source}",
+                                            f"base_output_directory={tmp}/{target}")
+                result[tool] = {"written_bytes": _bytes(os.path.join(tmp, target)),
+                                "baseline_rss_bytes": base_kib * 1024, "peak_rss_bytes": peak_kib * 1024}
+                rows += [(f"{tool}: written", result[tool]["written_bytes"]),
+                         (f"{tool}: peak RSS above the baseline", (peak_kib - base_kib) * 1024)]
     for name, value in rows:
-        print(f"{name:<34} {value / GIB:8.2f} GiB")
+        print(f"{name:<42} {value / GIB:8.2f} GiB")
     emit(result, args.json)
     return 0
 
