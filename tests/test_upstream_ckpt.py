@@ -58,14 +58,40 @@ def _logits(case, item, scan=None):
     return np.asarray(forward.model_and_params(cfg, log=lambda *_: None)(rows))
 
 
+def _mtp_loss(case, item, scan=None):
+    """This trainer's MTP loss (per-token mean over the depths) of the case's rows, against upstream_written's
+    targets (the next tokens, wrapping round)."""
+    import jax
+    from flax import nnx
+
+    from MaxText import sharding
+    from MaxText.state import state_spec
+
+    cfg = load_config([*_keys(case, scan), f"load_parameters_path={item}"])
+    mesh = sharding.create_mesh(cfg)
+    spec = state_spec(cfg, mesh)
+    params, aux = checkpointing.load_params(item, spec.abstract["params"], cfg, spec.abstract.get("nnx_aux"))
+    rows = np.tile(np.load(os.path.join(WRITTEN, case, "rows.npy")), (4, 1))  # a row per device; the same mean
+    ones = np.ones_like(rows)
+    batch = {"inputs": rows, "targets": np.roll(rows, -1, axis=1), "inputs_position": np.cumsum(ones, 1) - 1,
+             "inputs_segmentation": ones, "targets_segmentation": ones}
+    with jax.set_mesh(mesh):
+        model = nnx.merge(spec.graphdef, params, aux)
+        hidden = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])[0]
+        return float(model.mtp(hidden, batch, model.token_embedder)[0])
+
+
 @pytest.mark.parametrize("case, scan", [("mixtral_unscanned", "true"), ("qwen3_moe_scanned", None),
                                         ("deepseek3_scanned", "false")])
 def test_upstream_checkpoints_import_with_upstream_logits(tmp_path, case, scan):
     """Upstream's own checkpoint, imported (Mixtral's and DeepSeek's into the other layout), gives upstream's own
-    logits on the same rows: names, layer axes, Mixtral's unscaled query, routing biases, group routing."""
+    logits on the same rows: names, layer axes, Mixtral's unscaled query, routing biases, group routing; and for
+    DeepSeek upstream's MTP loss (the MTP block's names and its projection's input halves)."""
     item = _import(tmp_path, case, scan)
     theirs = np.load(os.path.join(WRITTEN, case, "logits.npy"))
     np.testing.assert_allclose(_logits(case, item, scan), theirs, **TOL, err_msg=case)
+    if "mtp_loss" in CASES[case]:
+        np.testing.assert_allclose(_mtp_loss(case, item, scan), CASES[case]["mtp_loss"], **TOL)
 
 
 def _upstream_arrays(items: Items) -> dict:

@@ -10,7 +10,9 @@ biases, which routed_bias_update_rate=0.1 moved off zero). Then upstream's own m
 from_pretrained, the path of its load_parameters_path) is loaded from those params, its routing biases set from
 the checkpoint's nnx_aux (from_pretrained restores params only), and run on OUT_DIR/<case>/rows.npy (int32 [2, 16],
 vocabulary 64, fixed seed): OUT_DIR/<case>/logits.npy (float32 [2, 16, 64]). OUT_DIR/cases.json maps each case to
-its model file, its command-line keys (the same keys build the model in this trainer) and a description.
+its model file, its command-line keys (the same keys build the model in this trainer), a description and, for a
+model with MTP, upstream's MTP loss on those rows (targets: the next tokens, wrapping round; the per-token mean,
+without mtp_loss_scaling_factor).
 With --logits, upstream's logits of another item directory (an export of this trainer's) under a case's keys.
 
 This file runs in upstream's interpreter (the repository's .venv-maxtext made by scripts/setup_maxtext.sh, or
@@ -72,8 +74,9 @@ def train_and_save(case_dir: str, keys: list[str]) -> str:
     return step
 
 
-def logits(keys: list[str], items: str, rows: np.ndarray) -> np.ndarray:
-    """Upstream's model loaded from items by its own from_pretrained, routing biases set from nnx_aux."""
+def logits(keys: list[str], items: str, rows: np.ndarray) -> tuple[np.ndarray, float | None]:
+    """(logits, MTP loss or None) of upstream's model loaded from items by its own from_pretrained, routing biases
+    set from nnx_aux."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -101,9 +104,20 @@ def logits(keys: list[str], items: str, rows: np.ndarray) -> np.ndarray:
                          f"upstream's model")
     nnx.update(model, state)
     positions = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape)
-    out = model(decoder_input_tokens=rows, decoder_positions=positions,
-                decoder_segment_ids=np.ones_like(rows), enable_dropout=False)
-    return np.asarray(out, np.float32)
+    out = model(decoder_input_tokens=rows, decoder_positions=positions, decoder_segment_ids=np.ones_like(rows),
+                enable_dropout=False, decoder_target_tokens=targets(rows), decoder_target_mask=np.ones_like(rows))
+    mtp = None
+    if cfg.mtp_num_layers:  # upstream's own MTP loss (train.loss_fn's path), without its scaling factor
+        from maxtext.layers import multi_token_prediction as mtp_lib
+
+        sown = nnx.pop(model, mtp_lib.mtp_losses)
+        mtp = float(mtp_lib.calculate_mtp_loss({"mtp_losses": sown.to_pure_dict()}, cfg)) / cfg.mtp_loss_scaling_factor
+    return np.asarray(out, np.float32), mtp
+
+
+def targets(rows: np.ndarray) -> np.ndarray:
+    """The targets the MTP loss is computed against: the rows' next tokens, the last one wrapping round."""
+    return np.roll(rows, -1, axis=1)
 
 
 def main(out_dir: str, names: list[str]) -> None:
@@ -117,16 +131,21 @@ def main(out_dir: str, names: list[str]) -> None:
         os.makedirs(case_dir)
         step = train_and_save(case_dir, keys)
         np.save(os.path.join(case_dir, "rows.npy"), rows)
-        np.save(os.path.join(case_dir, "logits.npy"), logits(keys, os.path.join(step, "items"), rows))
-        cases[name] = {"keys": keys, "description": description}
+        out, mtp = logits(keys, os.path.join(step, "items"), rows)
+        np.save(os.path.join(case_dir, "logits.npy"), out)
+        cases[name] = {"keys": keys, "description": description, **({"mtp_loss": mtp} if mtp is not None else {})}
         print(f"{name}: {description}", flush=True)
-    with open(os.path.join(out_dir, "cases.json"), "w") as f:
-        json.dump(cases, f, indent=1)
+    listed = os.path.join(out_dir, "cases.json")
+    if os.path.exists(listed):  # the cases not written this time stay listed
+        with open(listed) as f:
+            cases = {**json.load(f), **cases}
+    with open(listed, "w") as f:
+        json.dump(dict(sorted(cases.items())), f, indent=1)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--logits":  # --logits CASE ITEMS ROWS.npy OUT.npy: upstream's logits of any items
         case, items, rows_path, out_path = sys.argv[2:6]
-        np.save(out_path, logits(CASES[case][0], items, np.load(rows_path)))
+        np.save(out_path, logits(CASES[case][0], items, np.load(rows_path))[0])
     else:
         main(sys.argv[1], sys.argv[2:])
