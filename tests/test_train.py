@@ -195,7 +195,8 @@ def test_load_parameters_path_names_the_real_cause_of_missing_arrays(tmp_path):
                                  *entry["key_metadata"][1:]]
     with open(meta, "w") as f:
         json_lib.dump(tree, f)
-    with pytest.raises(ConfigError, match="is upstream MaxText's parameter tree .*to_huggingface, then import"):
+    with pytest.raises(ConfigError, match="is upstream MaxText's parameter tree .*convert it with python -m "
+                       "MaxText.utils.ckpt_conversion.from_upstream"):
         load()
 
 
