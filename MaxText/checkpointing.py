@@ -399,7 +399,7 @@ def load_full_state(path: str, abstract_state, cfg=None):
     optimizer) and, when the step beside it holds one, the input position, so the loaded run reads on
     where its source stopped."""
     path = _item_dir(path, "load_full_state_path")
-    refuse_upstream_state(path, "load_full_state_path")
+    refuse_upstream_state(path, f"load_full_state_path={path}")
     _check_manifest(path, abstract_state, "load_full_state_path", cfg)
     with _restoring("load_full_state_path", path), ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(path, abstract_state)
@@ -416,7 +416,7 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     whose bias restarted at zero would route every token differently at step 0."""
     path = _item_dir(path, "load_parameters_path")
     saved = _saved_names(path)
-    if any(name.startswith(UPSTREAM_TREE) for name in saved):
+    if _upstream_tree(saved):
         raise ConfigError(f"load_parameters_path={path} is upstream MaxText's parameter tree (params/params/decoder/"
                           f"...), not this trainer's: {UPSTREAM_CONVERSION}")
     item = {"params": abstract_params}
@@ -452,12 +452,17 @@ UPSTREAM_CONVERSION = ("convert it with python -m MaxText.utils.ckpt_conversion.
                        "keys> load_parameters_path=<it> base_output_directory=<out>, then load <out>/0/items")
 
 
+def _upstream_tree(saved: list[str]) -> bool:
+    """Whether a checkpoint's names (_saved_names) are upstream MaxText's parameter tree."""
+    return any(name.startswith(UPSTREAM_TREE) for name in saved)
+
+
 def refuse_upstream_state(path: str, what: str) -> None:
-    """A train state that upstream MaxText wrote does not resume here: one line saying how to start from its
-    params instead (its optimizer state is laid out for upstream's optimizer tree, which is not converted)."""
-    if any(name.startswith(UPSTREAM_TREE) for name in _saved_names(path)):
-        key = what if what.endswith("_path") else ""
-        raise ConfigError(f"{key + '=' + path if key else what} is upstream MaxText's train state "
+    """A train state that upstream MaxText wrote does not resume here: one line (about `what`, the key or the run's
+    step it was given as) saying how to start from its params instead (its optimizer state is laid out for
+    upstream's optimizer tree, which is not converted)."""
+    if _upstream_tree(_saved_names(path)):
+        raise ConfigError(f"{what} is upstream MaxText's train state "
                           "(params/params/decoder/...), which does not resume here (its optimizer state is not "
                           f"converted); start from its params instead: {UPSTREAM_CONVERSION} as load_parameters_path")
 

@@ -3,7 +3,9 @@
 Items reads any Orbax PyTree item directory (OCDBT or not, zarr3 or zarr, as its _METADATA says: this trainer's
 checkpoints, upstream MaxText's, the converters' output) array by array, a layer or an expert at a time.
 create_items writes Orbax's non-OCDBT layout of a tree whose arrays are then filled slice by slice, so that a
-conversion holds about one slice in memory, not the model.
+conversion holds about one slice in memory, not the model. The converters that write a step (to_maxtext,
+from_upstream, to_upstream) share their command-line paths (split_paths) and the step's all-or-nothing writing
+(new_step_dir, write_step, save_shapes).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from MaxText.config import ConfigError
+from MaxText.config_checks import remote_path_error
 
 
 class Items:
@@ -127,3 +131,52 @@ def create_items(item_dir: str, arrays: list[ArrayOut]) -> dict:
         with open(path, "w") as f:
             json.dump(info, f)
     return out
+
+
+def split_paths(argv: list[str], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """({key: value} of the path keys, the rest for load_config); each required one present and local."""
+    found, rest = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in required + optional:
+            found[key] = value
+        else:
+            rest.append(arg)
+    for key in required:
+        if not found.get(key):
+            raise ConfigError(f"{key}=<directory> is required")
+        error = remote_path_error(key, found[key])
+        if error:
+            raise ConfigError(error)
+    return found, rest
+
+
+def new_step_dir(out_dir: str) -> str:
+    """<out>/0, refused when it exists (checked before any work, so that nothing is converted in vain)."""
+    step_dir = os.path.join(out_dir, "0")
+    if os.path.exists(step_dir):
+        raise ConfigError(f"{step_dir} exists already; choose another base_output_directory")
+    return step_dir
+
+
+def write_step(step_dir: str, write) -> None:
+    """write(partial) fills a temporary <out>/.0.partial, renamed to step_dir when it returns; removed otherwise,
+    so the step directory appears complete or not at all."""
+    partial = os.path.join(os.path.dirname(step_dir), ".0.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        write(partial)
+        os.replace(partial, step_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def save_shapes(directory: str, shapes: dict[tuple, tuple]) -> None:
+    """The shapes-only manifest of a converted step ({tree path: shape} as this trainer's checkpoints record
+    them), which the trainer checks a config against before restoring."""
+    import orbax.checkpoint as ocp
+
+    manifest = {"arrays": {"".join(f"['{k}']" for k in key): {"shape": list(shape)} for key, shape in shapes.items()}}
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+        checkpointer.save(directory, args=ocp.args.JsonSave(manifest))

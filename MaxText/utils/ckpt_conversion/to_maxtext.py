@@ -46,10 +46,10 @@ import numpy as np
 import yaml
 
 from MaxText.config import ConfigError, load_config, tool_main
-from MaxText.config_checks import remote_path_error
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
-from MaxText.utils.ckpt_conversion.orbax_io import ArrayOut, create_items
+from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, create_items, new_step_dir, save_shapes,
+                                                     split_paths, write_step)
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
 
 # Tensors a release carries that have no parameter of their own here.
@@ -58,19 +58,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _split_argv(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
     """(hf_model_path, base_output_directory, hf_ignore_fields, the rest for load_config)."""
-    found, rest = {}, []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in ("hf_model_path", "base_output_directory", "hf_ignore_fields"):
-            found[key] = value
-        else:
-            rest.append(arg)
-    for key in ("hf_model_path", "base_output_directory"):
-        if not found.get(key):
-            raise ConfigError(f"{key}=<directory> is required")
-        error = remote_path_error(key, found[key])
-        if error:
-            raise ConfigError(error)
+    found, rest = split_paths(argv, ("hf_model_path", "base_output_directory"), ("hf_ignore_fields",))
     ignore = [f for f in found.get("hf_ignore_fields", "").split(",") if f]
     return found["hf_model_path"], found["base_output_directory"], ignore, rest
 
@@ -225,9 +213,6 @@ def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> Non
 
 def convert(argv: list[str], log=print) -> str:
     """Runs the import; returns the item directory written."""
-    import jax
-    import orbax.checkpoint as ocp
-
     from MaxText import plan, sharding
     from MaxText.checkpointing import CHECKSUMS, ITEM
     from MaxText.state import state_spec
@@ -240,9 +225,7 @@ def convert(argv: list[str], log=print) -> str:
     keys = family.model_keys(hf, log, ignore)
     keys = _without_absent_mtp(keys, ckpt, log)
     out_dir = os.path.abspath(out_dir)
-    step_dir = os.path.join(out_dir, "0")
-    if os.path.exists(step_dir):
-        raise ConfigError(f"{step_dir} exists already; choose another base_output_directory")
+    step_dir = new_step_dir(out_dir)
     config_args = [a for a in rest if a.endswith((".yml", ".yaml")) and "=" not in a][:1]
     overrides = [a for a in rest if a not in config_args]
     named = next((a.split("=", 1)[1] for a in overrides if a.startswith("model_name=")), None)
@@ -270,20 +253,14 @@ def convert(argv: list[str], log=print) -> str:
         if "nnx_aux" in spec.abstract:
             abstract["nnx_aux"] = spec.abstract["nnx_aux"]
         leaves = plan_leaves(cfg, ckpt, family, abstract, log)  # every check before anything is written
-        partial = os.path.join(out_dir, ".0.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-        try:
+
+        def write(partial):
             write_items(os.path.join(partial, ITEM), leaves, ckpt, cfg)
-            manifest = {"arrays": {jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in leaf.key)):
-                                   {"shape": list(leaf.shape)} for leaf in leaves}}
-            with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-                checkpointer.save(os.path.join(partial, CHECKSUMS), args=ocp.args.JsonSave(manifest))
+            save_shapes(os.path.join(partial, CHECKSUMS), {leaf.key: leaf.shape for leaf in leaves})
             if not named:
                 shutil.copy(staged, model_yml)
-            os.replace(partial, step_dir)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+
+        write_step(step_dir, write)
     item = os.path.join(step_dir, ITEM)
     log(f"imported {hf_dir} ({hf['model_type']}) into {item}"
         + (f"; model keys in {model_yml}" if not named else "")

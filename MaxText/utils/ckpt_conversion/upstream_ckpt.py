@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from typing import NamedTuple
 
 import numpy as np
 
 from MaxText.config import ConfigError, load_config
-from MaxText.config_checks import remote_path_error
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, placements
-from MaxText.utils.ckpt_conversion.orbax_io import ArrayOut, Items, create_items
+from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, Items, create_items, new_step_dir, save_shapes,
+                                                     split_paths, write_step)
 
 BLOCKS = {"mixtral": ("MoeBlock_0", None), "qwen3_moe": ("moe_block", None),
           "deepseek": ("DeepSeekMoeBlock_0.MoeBlock_0", "DeepSeekMoeBlock_0.shared_experts")}
@@ -208,10 +207,11 @@ def target_arrays(source: Items, pairs_: list[Pair], to_upstream: bool) -> list[
     return arrays
 
 
-def copy(source: Items, pairs_: list[Pair], to_upstream: bool, item_dir: str) -> None:
-    """Writes the target tree of `pairs_` from `source`, a layer of one array at a time, experts one by one."""
+def copy(source: Items, pairs_: list[Pair], to_upstream: bool, item_dir: str, arrays: list[ArrayOut]) -> None:
+    """Writes the target tree of `pairs_` (its `arrays`, from target_arrays) from `source`, a layer of one array at
+    a time, experts one by one."""
     src, dst = _sides(to_upstream)
-    stores = create_items(item_dir, target_arrays(source, pairs_, to_upstream))
+    stores = create_items(item_dir, arrays)
     for p in pairs_:
         for e in range(p.experts) if p.experts else [None]:
             part = source.read(src(p).name, _index(src(p), e))
@@ -222,40 +222,10 @@ def copy(source: Items, pairs_: list[Pair], to_upstream: bool, item_dir: str) ->
             stores[dst(p).name][_index(dst(p), e)].write(part).result()
 
 
-def split_argv(argv: list[str]) -> tuple[str, str, list[str]]:
-    """(load_parameters_path, base_output_directory, the rest for load_config)."""
-    found, rest = {}, []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in ("load_parameters_path", "base_output_directory"):
-            found[key] = value
-        else:
-            rest.append(arg)
-    for key in ("load_parameters_path", "base_output_directory"):
-        if not found.get(key):
-            raise ConfigError(f"{key}=<directory> is required")
-        error = remote_path_error(key, found[key])
-        if error:
-            raise ConfigError(error)
-    return found["load_parameters_path"], os.path.abspath(found["base_output_directory"]), rest
-
-
-def write_step(out_dir: str, write) -> str:
-    """<out>/0 written under a temporary name by write(step_dir) and renamed when complete; returns items."""
-    from MaxText.checkpointing import ITEM
-
-    step_dir = os.path.join(out_dir, "0")
-    if os.path.exists(step_dir):
-        raise ConfigError(f"{step_dir} exists already; choose another base_output_directory")
-    partial = os.path.join(out_dir, ".0.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    try:
-        write(partial)
-        os.replace(partial, step_dir)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return os.path.join(step_dir, ITEM)
+def _paths(argv: list[str]) -> tuple[str, str, list[str]]:
+    """(load_parameters_path, <out>/0 (refused when it exists), the rest for load_config)."""
+    found, rest = split_paths(argv, ("load_parameters_path", "base_output_directory"))
+    return found["load_parameters_path"], new_step_dir(os.path.abspath(found["base_output_directory"])), rest
 
 
 def abstract_tree(cfg) -> dict[str, tuple]:
@@ -275,11 +245,9 @@ def abstract_tree(cfg) -> dict[str, tuple]:
 
 def from_upstream(argv: list[str], log=print) -> str:
     """Upstream MaxText's items -> this trainer's (<out>/0/items and checksums); returns the items written."""
-    import orbax.checkpoint as ocp
-
     from MaxText.checkpointing import CHECKSUMS, ITEM
 
-    path, out_dir, rest = split_argv(argv)
+    path, step_dir, rest = _paths(argv)
     cfg = load_config(rest)
     source = Items(path, "load_parameters_path")
     root, scanned = upstream_layout(source)
@@ -306,14 +274,13 @@ def from_upstream(argv: list[str], log=print) -> str:
         if wanted.get(name) != tuple(a.shape):
             raise ConfigError(f"{path} gives {name} the shape {list(a.shape)} but this config needs "
                               f"{list(wanted.get(name, ()))}; use the model keys it was written with")
-    manifest = {"arrays": {"".join(f"['{k}']" for k in a.key): {"shape": list(a.shape)} for a in arrays}}
 
-    def write(step_dir):
-        copy(source, pairs_, False, os.path.join(step_dir, ITEM))
-        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-            checkpointer.save(os.path.join(step_dir, CHECKSUMS), args=ocp.args.JsonSave(manifest))
+    def write(partial):
+        copy(source, pairs_, False, os.path.join(partial, ITEM), arrays)
+        save_shapes(os.path.join(partial, CHECKSUMS), {a.key: a.shape for a in arrays})
 
-    item = write_step(out_dir, write)
+    write_step(step_dir, write)
+    item = os.path.join(step_dir, ITEM)
     log(f"imported upstream MaxText's {'scanned' if scanned else 'unscanned'} {path} into {item} "
         f"(scan_layers={str(cfg.scan_layers).lower()})")
     return item
@@ -321,7 +288,7 @@ def from_upstream(argv: list[str], log=print) -> str:
 
 def to_upstream(argv: list[str], log=print) -> str:
     """This trainer's items -> upstream MaxText's (<out>/0/items); returns the items written."""
-    path, out_dir, rest = split_argv(argv)
+    path, step_dir, rest = _paths(argv)
     cfg = load_config(rest)
     source = Items(path, "load_parameters_path")
     if any(n.startswith(ROOTS[0] + "decoder.") for n in source.names):
@@ -335,8 +302,9 @@ def to_upstream(argv: list[str], log=print) -> str:
         if p.ours.name in source and source.shape(p.ours.name) != wanted[p.ours.name]:
             raise ConfigError(f"{path} holds {p.ours.name} as {list(source.shape(p.ours.name))} but this config "
                               f"needs {list(wanted[p.ours.name])}; use the config it was written with")
-    target_arrays(source, pairs_, True)  # every source array present, before anything is written
-    item = write_step(out_dir, lambda step_dir: copy(source, pairs_, True, os.path.join(step_dir, "items")))
+    arrays = target_arrays(source, pairs_, True)  # every source array present, before anything is written
+    write_step(step_dir, lambda partial: copy(source, pairs_, True, os.path.join(partial, "items"), arrays))
+    item = os.path.join(step_dir, "items")
     log(f"exported {path} as upstream MaxText's {'scanned' if cfg.scan_layers else 'unscanned'} tree into {item} "
         "(upstream: load_parameters_path=" + item + ")")
     return item
