@@ -4,11 +4,13 @@ with the input pipeline's position beside the state in <step>/input (JSON).
 Start-up order, as in MaxText: an existing checkpoint of this run (auto-resume) first; else
 load_parameters_path (params only, step 0) or load_full_state_path (everything); else a fresh init.
 
-Kill safety: Orbax writes a step into a temporary directory and renames it when complete, so a process
-killed mid-save (SIGKILL, node failure) leaves only a temporary directory that is never listed as a step
-(and is removed at the next start). A complete step that cannot be read (a corrupted file) is skipped with a
-warning for the newest readable one, and renamed <step>.unreadable-<time> so that training can save that
-step again; if none can be read the run stops with an error instead of starting afresh.
+The directory is local or a gs:// URL (MaxText.storage: epath paths throughout, never a local "gs:" folder).
+
+Kill safety: Orbax writes a step into a temporary directory and renames it when complete (in a bucket, where
+there is no rename, it writes commit_success.txt last instead), so a process killed mid-save (SIGKILL, node
+failure) leaves only a step that is never listed (and is removed at the next start). A complete step that
+cannot be read (a corrupted file) is skipped with a warning for the newest readable one, and renamed
+<step>.unreadable-<time> so that training can save that step again; if none can be read the run stops with an error instead of starting afresh.
 
 Verified, not trusted: every step also saves <step>/checksums (JSON), one 32-bit checksum per array of the
 train state, computed on the devices from the arrays' bits (state_checksums). A restore recomputes them and
@@ -35,7 +37,9 @@ import time
 import orbax.checkpoint as ocp
 from etils import epath
 
+from MaxText import storage
 from MaxText.config import ConfigError
+from MaxText.storage import describe as _describe
 
 ITEM = "items"
 INPUT = "input"
@@ -83,7 +87,8 @@ def check_shapes(abstract_state, saved: dict, cfg, where: str,
     import jax
 
     arrays = saved.get("arrays", {})
-    leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+    leaves = [(jax.tree_util.keystr(path), leaf)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
     for name, leaf in sorted(leaves, key=lambda item: not item[0].startswith("['params']")):  # parameters first
         if name in arrays and list(leaf.shape) != arrays[name]["shape"]:
             old, new = arrays[name]["shape"], list(leaf.shape)
@@ -112,12 +117,6 @@ def _checksums_jit():
     return jax.jit(lambda arrays: [_array_checksum(a) for a in arrays])
 
 
-def _describe(error: Exception) -> str:
-    """'Type: first line of the message' (at most 300 characters of it), or 'Type' when there is none."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
-
-
 def verify(state, saved: dict) -> None:
     """Raises ChecksumMismatch naming the first array of `state` whose checksum differs from `saved`."""
     arrays = saved.get("arrays", {})
@@ -144,9 +143,10 @@ GRACE_S = 60.0
 class Checkpointer:
     """A CheckpointManager for this run's checkpoint directory, saving the whole train state as `items`."""
 
-    def __init__(self, cfg, checkpoint_dir: str, log=print):
+    def __init__(self, cfg, checkpoint_dir: str, log=print, on_durable=None):
         self.cfg = cfg
         self.log = log
+        self.on_durable = on_durable  # called with each step once it is durable
         _quiet_orbax_failures()
         self.enabled = cfg.enable_checkpointing
         self.period = cfg.checkpoint_period
@@ -155,15 +155,9 @@ class Checkpointer:
         self.timeout = cfg.checkpoint_timeout_s
         self.pending = None  # (step, when it began) of a save not yet known to be durable
         self.closed = False
+        self.path = storage.path(checkpoint_dir)
         if self.enabled:  # a directory that cannot take a checkpoint is a start-up error, not a late surprise
-            try:
-                os.makedirs(checkpoint_dir, exist_ok=True)
-                probe = os.path.join(checkpoint_dir, f".write-test-{os.getpid()}-{time.time_ns()}")
-                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # a new file
-                os.remove(probe)
-            except OSError as e:
-                raise ConfigError(f"cannot write checkpoints to {checkpoint_dir}: {e.strerror}; fix its permissions or "
-                                  "set base_output_directory (or enable_checkpointing=false)") from None
+            _probe_writable(checkpoint_dir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=True,  # always: only a background save can be waited for with a deadline
@@ -172,9 +166,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # what a killed save left behind
         )
         # Opened even when saving is off, so that a run can still resume from what is there.
-        self.manager = ocp.CheckpointManager(epath.Path(checkpoint_dir), options=options,
-                                             item_names=(ITEM, INPUT, CHECKSUMS)) \
-            if self.enabled or os.path.isdir(checkpoint_dir) else None
+        self.manager = ocp.CheckpointManager(self.path, options=options, item_names=(ITEM, INPUT, CHECKSUMS)) \
+            if self.enabled or self.path.is_dir() else None
 
     def latest_step(self):
         return self.manager.latest_step() if self.manager else None
@@ -207,6 +200,8 @@ class Checkpointer:
 
     def _durable(self, step: int) -> int:
         self.log(f"saved checkpoint {self.directory}/{step}" + (" (durable)" if self.asynchronous else ""))
+        if self.on_durable is not None:
+            self.on_durable(step)
         return step
 
     def poll(self) -> int | None:
@@ -251,15 +246,15 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
         verified against the step's checksums (steps saved before checksums existed restore unverified)."""
-        step_dir = os.path.join(self.directory, str(step))
-        if os.path.isfile(os.path.join(step_dir, ITEM, "_METADATA")):
-            refuse_upstream_state(os.path.join(step_dir, ITEM), f"the run's checkpoint {step_dir}")
+        step_dir = self.path / str(step)
+        if (step_dir / ITEM / "_METADATA").exists():
+            refuse_upstream_state(step_dir / ITEM, f"the run's checkpoint {step_dir}")
         manifest = None
-        if os.path.isdir(os.path.join(step_dir, CHECKSUMS)):  # read first: another model's checkpoint is a config
+        if (step_dir / CHECKSUMS).is_dir():  # read first: another model's checkpoint is a config
             manifest = self.manager.restore(  # mistake, not a damaged step
                 step, args=ocp.args.Composite(**{CHECKSUMS: ocp.args.JsonRestore()}))[CHECKSUMS]
             check_shapes(abstract_state, manifest, self.cfg, f"{self.directory}/{step}")
-        has_input = os.path.isdir(os.path.join(step_dir, INPUT))
+        has_input = (step_dir / INPUT).is_dir()
         items = {ITEM: ocp.args.StandardRestore(abstract_state)}
         if has_input:
             items[INPUT] = ocp.args.JsonRestore()
@@ -297,10 +292,10 @@ class Checkpointer:
     def _set_aside(self, step: int, log) -> None:
         import jax
 
-        path = os.path.join(self.directory, str(step))
-        aside = f"{path}.unreadable-{time.strftime('%Y%m%d_%H%M%S')}"
+        path = self.path / str(step)
+        aside = path.parent / f"{path.name}.unreadable-{time.strftime('%Y%m%d_%H%M%S')}"
         if jax.process_index() == 0:
-            os.rename(path, aside)
+            path.rename(aside)
         log(f"warning: moved the unreadable checkpoint {path} to {aside}")
         self.manager.reload()
 
@@ -357,23 +352,41 @@ def _well_formed_input(saved) -> bool:
             and all(isinstance(p, dict) for p in saved["positions"]))
 
 
-def _item_dir(path: str, key: str) -> str:
-    path = os.path.abspath(path)  # Orbax's OCDBT store needs absolute paths
-    if not os.path.isdir(path):
+def _probe_writable(checkpoint_dir: str) -> None:
+    """ConfigError (one line) unless a new file can be made in checkpoint_dir (created when missing)."""
+    where = storage.path(checkpoint_dir)
+    try:
+        probe = where / f".write-test-{os.getpid()}-{time.time_ns()}"
+        if storage.is_remote(checkpoint_dir):  # no mkdir: a bucket has no directories, and gcsfs would create a
+            probe.write_bytes(b"")             # missing bucket
+        else:  # a new file, never through a symlink
+            where.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        probe.unlink()
+    except Exception as e:  # noqa: BLE001 - an OSError here, or the bucket's client's own error
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else _describe(e)
+        raise ConfigError(f"cannot write checkpoints to {checkpoint_dir}: {reason}; fix its permissions (or your "
+                          "credentials for a bucket), or set base_output_directory (or enable_checkpointing=false)"
+                          ) from None
+
+
+def _item_dir(path: str, key: str) -> epath.Path:
+    path = storage.path(path)  # absolute when local: Orbax's OCDBT store needs it
+    if not path.is_dir():
         raise ConfigError(f"{key}={path} does not exist; point it at a checkpoint's item directory, "
                           "e.g. <run>/checkpoints/<step>/items")
-    if os.path.isdir(os.path.join(path, ITEM)):  # accept .../checkpoints/<step> too
-        path = os.path.join(path, ITEM)
-    if not os.path.isfile(os.path.join(path, "_METADATA")):
+    if (path / ITEM).is_dir():  # accept .../checkpoints/<step> too
+        path = path / ITEM
+    if not (path / "_METADATA").exists():
         raise ConfigError(f"{key}={path} is not an Orbax checkpoint (no _METADATA there); point it at a "
                           "checkpoint's item directory, e.g. <run>/checkpoints/<step>/items")
     return path
 
 
-def _check_manifest(path: str, abstract_tree, key: str, cfg) -> None:
+def _check_manifest(path: epath.Path, abstract_tree, key: str, cfg) -> None:
     """check_shapes against the manifest beside a step's items, when the step has one (this trainer's)."""
-    manifest = os.path.join(os.path.dirname(path), CHECKSUMS)
-    if not os.path.isdir(manifest):
+    manifest = path.parent / CHECKSUMS
+    if not manifest.is_dir():
         return
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
         saved = ckptr.restore(manifest)
@@ -403,8 +416,8 @@ def load_full_state(path: str, abstract_state, cfg=None):
     _check_manifest(path, abstract_state, "load_full_state_path", cfg)
     with _restoring("load_full_state_path", path), ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(path, abstract_state)
-    input_dir = os.path.join(os.path.dirname(path), INPUT)
-    if not os.path.isdir(input_dir):
+    input_dir = path.parent / INPUT
+    if not input_dir.is_dir():
         return state, None
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
         return state, ckptr.restore(input_dir)
@@ -438,10 +451,9 @@ def load_params(path: str, abstract_params, cfg=None, abstract_aux=None):
     return restored["params"], restored.get("nnx_aux")
 
 
-def _saved_names(path: str) -> list[str]:
-    """Every array's key path in an item directory, dot-joined (from Orbax's _METADATA)."""
-    with open(os.path.join(path, "_METADATA")) as f:
-        tree = json.load(f).get("tree_metadata", {})
+def _saved_names(path) -> list[str]:
+    """Every array's key path in an item directory (a path or an epath.Path), dot-joined (from Orbax's _METADATA)."""
+    tree = json.loads((storage.path(path) / "_METADATA").read_text()).get("tree_metadata", {})
     return [".".join(str(k["key"]) for k in entry.get("key_metadata", ())) for entry in tree.values()]
 
 
@@ -457,7 +469,7 @@ def _upstream_tree(saved: list[str]) -> bool:
     return any(name.startswith(UPSTREAM_TREE) for name in saved)
 
 
-def refuse_upstream_state(path: str, what: str) -> None:
+def refuse_upstream_state(path, what: str) -> None:
     """A train state that upstream MaxText wrote does not resume here: one line (about `what`, the key or the run's
     step it was given as) saying how to start from its params instead (its optimizer state is laid out for
     upstream's optimizer tree, which is not converted)."""

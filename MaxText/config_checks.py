@@ -299,27 +299,43 @@ def check_upstream_consistency(cfg) -> None:
                           "none: set eval_steps to a number of batches")
 
 
-# Keys naming a file or directory; a URL there (gs://, s3://, ...) is refused: this trainer reads and writes local
-# paths (a bucket mounted with gcsfuse or mountpoint-s3 is one), and a URL must never become a local "gs:" folder.
-PATH_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "dataset_path",
-             "grain_train_files", "grain_eval_files", "hf_data_dir", "hf_train_files", "hf_eval_files",
-             "tokenizer_path")
+# Keys naming a file or directory. The run's outputs and the checkpoints it starts from may be in a gs:// bucket
+# (MaxText.storage); the input pipeline reads local files only. Any other URL is refused here, before anything is
+# created from it: a URL must never become a local "gs:" folder.
+REMOTE_OK_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path")
+DATA_PATH_KEYS = ("dataset_path", "grain_train_files", "grain_eval_files", "hf_data_dir", "hf_train_files",
+                  "hf_eval_files", "tokenizer_path")
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+MOUNT = {"gs": "gcsfuse", "s3": "mountpoint-s3"}
 
 
-def remote_path_error(key: str, value) -> str | None:
-    """The one-line refusal of a URL given as a local path, or None."""
+def remote_path_error(key: str, value, local_only: str | None = None) -> str | None:
+    """The one-line refusal of a URL that cannot be used as `key`, or None. `local_only` names who reads and writes
+    local paths only (e.g. "the converters read and write"); without it gs:// is accepted where gcsfs is installed."""
     if not isinstance(value, str) or not URL.match(value):
         return None
     scheme = value.split("://", 1)[0]
-    return (f"{key}={_clip(value)} is a {scheme}:// URL; this trainer reads and writes local paths only: mount the "
-            "bucket (gcsfuse for gs://, mountpoint-s3 for s3://) and give the mounted path")
+    mount = f"mount the bucket ({MOUNT.get(scheme, 'a FUSE mount')}) and give the mounted path"
+    if local_only:
+        return f"{key}={_clip(value)} is a {scheme}:// URL; {local_only} local paths only: {mount}"
+    if scheme == "s3":  # orbax-checkpoint 0.12.8's OCDBT store takes only gs:// for a bucket (s3:// fails as local)
+        return (f"{key}={_clip(value)}: orbax-checkpoint writes and reads checkpoints in gs:// buckets only (it takes "
+                f"an s3:// URL for a local path); {mount}")
+    if scheme != "gs":
+        return f"{key}={_clip(value)} is a {scheme}:// URL; only local paths and gs:// are supported: {mount}"
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is None:
+        return (f"{key}={_clip(value)} needs gcsfs (epath's gs:// client; requirements.txt pins it): pip install "
+                f"gcsfs, or {mount}")
+    return None
 
 
 def check_paths(cfg) -> None:
-    """Paths are local: a remote URL stops here, before anything is created from it."""
-    for key in PATH_KEYS:
-        error = remote_path_error(key, cfg[key])
+    """gs:// for the outputs and checkpoints, local paths for the data; anything else stops here, before anything is
+    created from it."""
+    for key in REMOTE_OK_KEYS + DATA_PATH_KEYS:
+        error = remote_path_error(key, cfg[key], None if key in REMOTE_OK_KEYS else "the input pipeline reads")
         if error:
             raise ConfigError(error)
 

@@ -1,4 +1,4 @@
-"""Run report: `python -m MaxText.report <run_dir> [--out DIR]`.
+"""Run report: `python -m MaxText.report <run_dir> [--out DIR]` (either may be a gs:// URL).
 
 Reads <run_dir>/metrics/metrics.jsonl and writes PNG plots beside it (or into --out), printing each path:
 
@@ -21,12 +21,15 @@ Shape legend: L MoE layers, E experts, S logged steps.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
 import sys
 
 import numpy as np
+
+from MaxText import storage
 
 MATPLOTLIB_PIN = "matplotlib==3.11.2"
 
@@ -39,10 +42,10 @@ def read_records(path: str) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a metrics.jsonl, each sorted by step with one record per step: the
     last one in the file (a resumed run logs the steps it redoes again). Train records hold "loss", eval
     records "eval_loss"; other lines are ignored."""
-    if not os.path.isfile(path):
+    if not storage.path(path).is_file():
         raise ReportError(f"{path} does not exist; is this a run directory written by MaxText.train?")
     train, evals, lines = {}, {}, 0
-    with open(path) as f:
+    with storage.path(path).open() as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -117,7 +120,9 @@ def _save(fig, path: str) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    storage.path(path).write_bytes(png.getvalue())
     return path
 
 
@@ -295,11 +300,10 @@ def read_run_config(path: str) -> dict | None:
     """The run's resolved config as the trainer saved it (metrics/config.yml), or None (an older run)."""
     import yaml
 
-    if not os.path.isfile(path):
+    if not storage.path(path).is_file():
         return None
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        data = yaml.safe_load(storage.path(path).read_text())
     except yaml.YAMLError as e:
         raise ReportError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     return data if isinstance(data, dict) else None
@@ -309,25 +313,26 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
     """Writes the plots whose data <run_dir>/metrics/metrics.jsonl holds into out_dir (default: beside the
     metrics) and returns their paths; notes on skipped plots go to `log` (default: stderr)."""
     log = log or (lambda message: print(message, file=sys.stderr))
-    if not os.path.isdir(run_dir):
+    if not storage.path(run_dir).is_dir():
         raise ReportError(f"run directory {run_dir} does not exist")
-    metrics_path = os.path.join(run_dir, "metrics", "metrics.jsonl")
+    metrics_path = storage.join(run_dir, "metrics", "metrics.jsonl")
     train, evals = read_records(metrics_path)
-    run_config = read_run_config(os.path.join(run_dir, "metrics", "config.yml"))
+    run_config = read_run_config(storage.join(run_dir, "metrics", "config.yml"))
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ReportError(f"the report needs matplotlib: pip install {MATPLOTLIB_PIN}") from None
-    out_dir = out_dir or os.path.dirname(metrics_path)
-    os.makedirs(out_dir, exist_ok=True)
-    written = [plot_loss(train, evals, os.path.join(out_dir, "loss.png"))]
+    out_dir = out_dir or storage.join(run_dir, "metrics")
+    if not storage.is_remote(out_dir):  # a bucket has no directories to make
+        os.makedirs(out_dir, exist_ok=True)
+    written = [plot_loss(train, evals, storage.join(out_dir, "loss.png"))]
     if len(series(train, "tokens_per_s_per_device")[0]):
-        written.append(plot_throughput(train, os.path.join(out_dir, "throughput.png")))
+        written.append(plot_throughput(train, storage.join(out_dir, "throughput.png")))
     else:
         log("note: no throughput logged; throughput.png skipped")
     if len(expert_load_matrix(train)[0]):
-        written.append(plot_expert_load(train, os.path.join(out_dir, "expert_load.png"), run_config))
-        balance = plot_moe_balance(train, os.path.join(out_dir, "moe_balance.png"), evals, run_config)
+        written.append(plot_expert_load(train, storage.join(out_dir, "expert_load.png"), run_config))
+        balance = plot_moe_balance(train, storage.join(out_dir, "moe_balance.png"), evals, run_config)
         if balance:
             written.append(balance)
     else:

@@ -8,7 +8,8 @@ A multi-process run takes it once, in process 0; every other process waits for p
 stops with it.
 
 The lock is `fcntl.flock` on `<run_dir>/.lock` (advisory, per open file; works on local disks and on
-NFS/Lustre mounts that support flock). The file records the holder (host, pid, start time) for the message a
+NFS/Lustre mounts that support flock; a gs:// run's lock is in its local staging directory, so it keeps out
+a second trainer on the same host only). The file records the holder (host, pid, start time) for the message a
 second trainer prints; it is never deleted, so a stale file is harmless: only a live process holds the lock.
 """
 
@@ -35,8 +36,8 @@ def automatic_run_name() -> str:
 class RunLock:
     """The run directory's lock (created with the directory when missing)."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, name: str | None = None):
+        self.run_dir, self.name = run_dir, name or run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self.fd = None
 
@@ -45,14 +46,14 @@ class RunLock:
             os.makedirs(self.run_dir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise ConfigError(f"cannot use run directory {self.run_dir}: {e.strerror}; check base_output_directory "
+            raise ConfigError(f"cannot use run directory {self.name}: {e.strerror}; check base_output_directory "
                               "and run_name") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(f"run directory {self.run_dir} is in use by another trainer ({holder}); wait for it "
+            raise ConfigError(f"run directory {self.name} is in use by another trainer ({holder}); wait for it "
                               "to finish, or choose another run_name") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
@@ -69,9 +70,10 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: str, primary: bool = True, process_count: int = 1):
-    """RunLock taken by process 0 (`primary`) for the run; the others learn its outcome by a broadcast."""
-    lock, error = RunLock(run_dir), None
+def run_lock(run_dir: str, primary: bool = True, process_count: int = 1, name: str | None = None):
+    """RunLock taken by process 0 (`primary`) for the run; the others learn its outcome by a broadcast. `name`: the
+    run directory as messages call it (a remote run's lock is in its local staging directory, MaxText.storage)."""
+    lock, error = RunLock(run_dir, name), None
     if primary:
         try:
             lock.__enter__()
@@ -83,7 +85,7 @@ def run_lock(run_dir: str, primary: bool = True, process_count: int = 1):
 
         taken = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
         if not taken and error is None:
-            error = ConfigError(f"process 0 could not lock run directory {run_dir} (its log says why)")
+            error = ConfigError(f"process 0 could not lock run directory {name or run_dir} (its log says why)")
     if error is not None:
         raise error
     try:

@@ -27,9 +27,11 @@ from MaxText.run_lock import automatic_run_name, run_lock
 
 
 def run_directories(cfg) -> tuple[str, str]:
-    """(run directory, checkpoint directory) as MaxText lays them out."""
-    run_dir = os.path.abspath(os.path.join(cfg.base_output_directory, cfg.run_name))
-    return run_dir, os.path.join(run_dir, "checkpoints")
+    """(run directory, checkpoint directory) as MaxText lays them out: absolute local paths, or gs:// URLs."""
+    from MaxText import storage
+
+    run_dir = storage.resolve(storage.join(cfg.base_output_directory, cfg.run_name))
+    return run_dir, storage.join(run_dir, "checkpoints")
 
 
 class NonFiniteError(RuntimeError):
@@ -191,7 +193,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
     import numpy as np
     import tqdm
 
-    from MaxText import metrics as metrics_lib, sharding
+    from MaxText import metrics as metrics_lib, sharding, storage
     from MaxText.checkpointing import Checkpointer
     from MaxText.profiler import Profiler
     from MaxText.data import make_data, validate
@@ -204,7 +206,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
     if cfg.hardware in ("gpu", "gpu_multiprocess") and jax.default_backend() != "gpu":
         raise ConfigError(f"hardware={cfg.hardware} but JAX found no GPU (its backend is {jax.default_backend()}); "
                           "check the CUDA install (jax[cuda]) and CUDA_VISIBLE_DEVICES, or set hardware=auto")
-    check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime checks too)
+    check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime too)
     validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
     if cfg.num_devices and cfg.num_devices != visible:
@@ -224,9 +226,13 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
     check_fits(cfg, spec, dict(mesh.shape), num_devices, log)
     # One trainer per run directory: taken before anything is written there, held until the run returns.
-    with run_lock(run_dir, primary, jax.process_count()), moe_runtime(cfg, mesh, global_batch), \
+    outputs = storage.RunOutputs(run_dir, jax.process_index(), primary, log)
+    with run_lock(outputs.local, primary, jax.process_count(), name=run_dir), moe_runtime(cfg, mesh, global_batch), \
             contextlib.ExitStack() as cleanup:
-        checkpointer = Checkpointer(cfg, checkpoint_dir, log)
+        outputs.open()
+        cleanup.callback(outputs.close)  # the last copy of a remote run's metrics, however the run ends
+        # Each durable checkpoint: a remote run's metrics up to it are in the bucket too.
+        checkpointer = Checkpointer(cfg, checkpoint_dir, log, on_durable=lambda _: outputs.sync(force=True))
         cleanup.callback(checkpointer.close)  # also when set-up fails: Orbax's threads must not outlive it
         state, position = initial_state(cfg, mesh, spec, checkpointer, log)
         if stop.before_first_step(log):  # a restore can take minutes
@@ -241,13 +247,13 @@ def _train(cfg, log, devices, stop) -> dict | None:
         batch_sharding = sharding.batch_sharding(mesh)
         step_fn = jit_train_step(cfg, spec, batch_sharding)
         evaluate = Evaluator(cfg, spec, batch_sharding, global_batch) if cfg.eval_interval != -1 else None
-        writer = metrics_lib.MetricsWriter(run_dir, tensorboard=cfg.enable_tensorboard, primary=primary,
+        writer = metrics_lib.MetricsWriter(outputs.local, tensorboard=cfg.enable_tensorboard, primary=primary,
                                            config=cfg.to_dict())
         peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
         tokens_per_step = global_batch * cfg.max_target_length
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
                              dynamic_ncols=True, leave=False)
-        profiler = Profiler(cfg, run_dir, start, log)
+        profiler = Profiler(cfg, outputs.local, start, log)
         if stop.before_first_step(log):
             progress.close()
             writer.close()
@@ -277,6 +283,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
             host.update(step_time_s=step_time, tokens_per_s_per_device=tps, tflops_per_device=tflops, mfu=mfu)
             last_record = writer.write(step, host)
             progress.write(metrics_lib.console_line(last_record))
+            outputs.sync()
 
         def settle():
             """Finishes the step still in flight, if any (before a save or an eval reads its state)."""

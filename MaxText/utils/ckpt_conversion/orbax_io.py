@@ -145,7 +145,7 @@ def split_paths(argv: list[str], required: tuple[str, ...], optional: tuple[str,
     for key in required:
         if not found.get(key):
             raise ConfigError(f"{key}=<directory> is required")
-        error = remote_path_error(key, found[key])
+        error = remote_path_error(key, found[key], "the converters read and write")
         if error:
             raise ConfigError(error)
     return found, rest

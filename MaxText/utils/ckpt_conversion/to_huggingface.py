@@ -155,7 +155,7 @@ def export(argv: list[str], log=print) -> str:
         raise ConfigError(f"hf_shard_gb={opts['hf_shard_gb']} is not a number") from None
     if not out_dir:
         raise ConfigError("base_output_directory=<directory> is required (the Hugging Face directory to write)")
-    error = remote_path_error("base_output_directory", out_dir)
+    error = remote_path_error("base_output_directory", out_dir, "the converters read and write")
     if error:
         raise ConfigError(error)
     out_dir = os.path.abspath(out_dir)
