@@ -33,7 +33,17 @@ import shutil
 import tempfile
 import time
 
-os.environ.setdefault("EPATH_USE_TF", "false")  # read by epath at each call; see above
+_USER_CHOICE = "EPATH_USE_TF" in os.environ  # epath reads it at each call; see above
+
+
+def _use_gcsfs() -> None:
+    """EPATH_USE_TF=false unless the user chose: set again before each use, as a later change to the environment
+    (a test restoring it, a library) would silently switch gs:// to TensorFlow's client."""
+    if not _USER_CHOICE:
+        os.environ["EPATH_USE_TF"] = "false"
+
+
+_use_gcsfs()
 
 from etils import epath  # noqa: E402 - after the backend choice
 
@@ -59,6 +69,8 @@ def join(base: str, *parts: str) -> str:
 
 def path(where: str) -> epath.Path:
     """epath.Path of a local path (made absolute) or a URL."""
+    if is_remote(where):
+        _use_gcsfs()
     return epath.Path(resolve(str(where)))
 
 

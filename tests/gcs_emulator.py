@@ -62,7 +62,8 @@ def emulator(bucket: str = BUCKET):
     url = f"http://localhost:{port}"
     env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
            # gcsfs asks GCS's storage-control API for a bucket's layout, which the emulator lacks (one warning a call)
-           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+           "EPATH_USE_TF": "false"}  # what MaxText.storage sets: TensorFlow's gfile ignores the emulator
     saved = {key: os.environ.get(key) for key in env}
     try:
         deadline = time.monotonic() + 30
