@@ -10,7 +10,8 @@ Kill safety: Orbax writes a step into a temporary directory and renames it when 
 there is no rename, it writes commit_success.txt last instead), so a process killed mid-save (SIGKILL, node
 failure) leaves only a step that is never listed (and is removed at the next start). A complete step that
 cannot be read (a corrupted file) is skipped with a warning for the newest readable one, and renamed
-<step>.unreadable-<time> so that training can save that step again; if none can be read the run stops with an error instead of starting afresh.
+<step>.unreadable-<time> so that training can save that step again; if none can be read the run stops with an
+error instead of starting afresh.
 
 Verified, not trusted: every step also saves <step>/checksums (JSON), one 32-bit checksum per array of the
 train state, computed on the devices from the arrays' bits (state_checksums). A restore recomputes them and
@@ -157,7 +158,7 @@ class Checkpointer:
         self.closed = False
         self.path = storage.path(checkpoint_dir)
         if self.enabled:  # a directory that cannot take a checkpoint is a start-up error, not a late surprise
-            _probe_writable(checkpoint_dir)
+            _probe_writable(self.path)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=True,  # always: only a background save can be waited for with a deadline
@@ -352,12 +353,12 @@ def _well_formed_input(saved) -> bool:
             and all(isinstance(p, dict) for p in saved["positions"]))
 
 
-def _probe_writable(checkpoint_dir: str) -> None:
-    """ConfigError (one line) unless a new file can be made in checkpoint_dir (created when missing)."""
-    where = storage.path(checkpoint_dir)
+def _probe_writable(where: epath.Path) -> None:
+    """ConfigError (one line) unless a new file can be made in the checkpoint directory `where` (a local one is
+    created when missing)."""
     try:
         probe = where / f".write-test-{os.getpid()}-{time.time_ns()}"
-        if storage.is_remote(checkpoint_dir):  # no mkdir: a bucket has no directories, and gcsfs would create a
+        if storage.is_remote(where):  # no mkdir: a bucket has no directories, and gcsfs would create a
             probe.write_bytes(b"")             # missing bucket
         else:  # a new file, never through a symlink
             where.mkdir(parents=True, exist_ok=True)
@@ -365,7 +366,7 @@ def _probe_writable(checkpoint_dir: str) -> None:
         probe.unlink()
     except Exception as e:  # noqa: BLE001 - an OSError here, or the bucket's client's own error
         reason = e.strerror if isinstance(e, OSError) and e.strerror else _describe(e)
-        raise ConfigError(f"cannot write checkpoints to {checkpoint_dir}: {reason}; fix its permissions (or your "
+        raise ConfigError(f"cannot write checkpoints to {where}: {reason}; fix its permissions (or your "
                           "credentials for a bucket), or set base_output_directory (or enable_checkpointing=false)"
                           ) from None
 

@@ -22,7 +22,10 @@ process gives back).
 
 epath reaches gs:// through fsspec (gcsfs) here, not through TensorFlow's gfile, which it would pick wherever
 TensorFlow is installed (this project's venv and image have it, for TFDS): one client whatever is installed,
-pinned in requirements.txt, and one that honours STORAGE_EMULATOR_HOST (the tests' local GCS).
+pinned in requirements.txt, and one that honours STORAGE_EMULATOR_HOST (the tests' local GCS). The choice is
+EPATH_USE_TF=false, set by MaxText/__init__.py: epath caches it at its first use in a process (jax's compilation
+cache is one), so it must be made before that, and a program that uses epath before importing MaxText keeps
+whichever client epath chose then.
 """
 
 from __future__ import annotations
@@ -33,21 +36,10 @@ import shutil
 import tempfile
 import time
 
-_USER_CHOICE = "EPATH_USE_TF" in os.environ  # epath reads it at each call; see above
+from etils import epath
 
-
-def _use_gcsfs() -> None:
-    """EPATH_USE_TF=false unless the user chose: set again before each use, as a later change to the environment
-    (a test restoring it, a library) would silently switch gs:// to TensorFlow's client."""
-    if not _USER_CHOICE:
-        os.environ["EPATH_USE_TF"] = "false"
-
-
-_use_gcsfs()
-
-from etils import epath  # noqa: E402 - after the backend choice
-
-from MaxText.config_checks import ConfigError  # noqa: E402
+from MaxText.config_checks import ConfigError
+from MaxText.run_lock import LOCK_NAME
 
 REMOTE = "gs://"
 SYNC_S = 30.0  # the longest a remote run's metrics and events wait in staging while training
@@ -69,8 +61,6 @@ def join(base: str, *parts: str) -> str:
 
 def path(where: str) -> epath.Path:
     """epath.Path of a local path (made absolute) or a URL."""
-    if is_remote(where):
-        _use_gcsfs()
     return epath.Path(resolve(str(where)))
 
 
@@ -124,7 +114,7 @@ class RunOutputs:
         for root, _, names in os.walk(self.local):
             for name in names:
                 relative = os.path.relpath(os.path.join(root, name), self.local)
-                if relative == ".lock" or name.endswith(".tmp"):
+                if relative == LOCK_NAME or name.endswith(".tmp"):
                     continue
                 stamp = self._stamp(relative)
                 if self.copied.get(relative) != stamp:
@@ -154,8 +144,12 @@ class RunOutputs:
 
     def _clear(self) -> None:
         for name in os.listdir(self.local):
-            if name != ".lock":  # run_lock's file, held right now
-                shutil.rmtree(os.path.join(self.local, name))
+            if name != LOCK_NAME:  # run_lock's file, held right now
+                entry = os.path.join(self.local, name)
+                if os.path.isdir(entry) and not os.path.islink(entry):
+                    shutil.rmtree(entry)
+                else:
+                    os.remove(entry)
         self.copied = {}
 
 

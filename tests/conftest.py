@@ -23,6 +23,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import MaxText  # noqa: E402,F401 - its EPATH_USE_TF choice precedes jax's compilation cache's first use of epath
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 BUCKET = "bkt"
 
 
@@ -62,9 +64,7 @@ def emulator(bucket: str = BUCKET):
     url = f"http://localhost:{port}"
     env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
            # gcsfs asks GCS's storage-control API for a bucket's layout, which the emulator lacks (one warning a call)
-           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-           "EPATH_USE_TF": "false"}  # what MaxText.storage sets: TensorFlow's gfile ignores the emulator
-    saved = {key: os.environ.get(key) for key in env}
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -75,14 +75,11 @@ def emulator(bucket: str = BUCKET):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the GCS emulator did not start on port {port}") from None
                 time.sleep(0.1)
-        os.environ.update(env)
-        yield env
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            yield env
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         process.kill()
         process.wait()
 
