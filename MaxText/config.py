@@ -14,7 +14,10 @@ keys. Loading touches no JAX device, network or output directory.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import io
 import logging
 import math
 import os
@@ -98,12 +101,23 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_yaml(path: str, text: str) -> Any:
+    """PyYAML's parse of one file's text, kept: pure Python, it is most of a load_config (the layout search loads
+    hundreds of configs, the tests thousands), and a config's files are the same text each time. Keyed on the
+    text itself, so an edited file is parsed afresh; failures are not kept."""
+    stream = io.StringIO(text)
+    stream.name = path  # PyYAML's error marks name the file, as when it reads the file object
+    return yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
         with open(path) as f:
-            data = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+            text = f.read()
+        data = copy.deepcopy(_parse_yaml(path, text))  # callers edit what they get (base_config is popped)
     except _DuplicateKey as e:
         raise ConfigError(f"config file {path}: {e}; keep one") from None
     except yaml.YAMLError as e:

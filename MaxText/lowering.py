@@ -19,6 +19,10 @@ the gpu_profile's compute capability (when the MoE runs TE kernels), nothing all
      XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
      such as CPU's widening of bf16 collectives to float32), and MaxText.collectives counts its collectives
      per device per step: kind, dtype, bytes, loop trips multiplied through.
+
+lowered(cfg, backend_optimization=False) leaves out XLA:CPU's backend optimisations, which run after that
+dump: the same result, sooner, where only the counts are read (tests/test_collectives.py lowers two configs
+in one process that way).
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ import tempfile
 import time
 
 FFI_STOP = "No FFI handler registered for te_"
-_DUMP_FLAGS = "--xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_pass_re=spmd-partitioning"
+# XLA's options for the CPU compile, not XLA_FLAGS: per compile, so one process can lower several configs.
+_DUMP_OPTIONS = {"xla_dump_hlo_module_re": "jit_train_step", "xla_dump_hlo_pass_re": "spmd-partitioning"}
 
 
-def lower_step(cfg, dump_dir: str | None = None) -> dict:
+def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = True) -> dict:
     """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices). With dump_dir (where
-    XLA_FLAGS had XLA dump the train step after SPMD partitioning), the result counts its collectives."""
+    XLA dumps the train step after SPMD partitioning), the result counts its collectives."""
     import jax
 
     from MaxText import sharding
@@ -70,8 +75,11 @@ def lower_step(cfg, dump_dir: str | None = None) -> dict:
         cudnn_ops = attention_cudnn.kernel_calls(traced.jaxpr)
         if uses_te:
             te_trace.register_cpu_lowerings()
+        options = {"xla_dump_to": dump_dir, **_DUMP_OPTIONS} if dump_dir else {}
+        if not backend_optimization:
+            options["xla_backend_optimization_level"] = 0
         try:
-            traced.lower().compile()
+            traced.lower().compile(compiler_options=options or None)
             stop = "compiled whole (no TE kernel)"
         except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
             stop = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -98,6 +106,23 @@ def lower_step(cfg, dump_dir: str | None = None) -> dict:
     }
 
 
+def lowered(cfg, backend_optimization: bool = True) -> dict:
+    """The JSON object for cfg, lowered in this process. Before JAX starts it asks for as many CPU devices as
+    the recipe's GPUs (the recipe's GPU XLA flags stay out); a later call in the same process needs the same
+    num_devices."""
+    from MaxText.config import ConfigError
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.num_devices or 1}"
+    with tempfile.TemporaryDirectory(prefix="maxtext-lowering-") as dump:
+        try:
+            return lower_step(cfg, dump, backend_optimization)
+        except ConfigError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - reported as the preflight's row, with its first line
+            return {"ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from MaxText.config import ConfigError, load_config
@@ -107,19 +132,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(json.dumps({"ok": False, "error": str(e)}))
         return 2
-    # Before JAX starts: as many CPU devices as the recipe's GPUs (the recipe's GPU XLA flags stay out).
-    dump = tempfile.TemporaryDirectory(prefix="maxtext-lowering-")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={cfg.num_devices or 1} "
-                               f"--xla_dump_to={dump.name} {_DUMP_FLAGS}")
-    try:
-        result = lower_step(cfg, dump.name)
-    except ConfigError as e:
-        result = {"ok": False, "error": str(e)}
-    except Exception as e:  # noqa: BLE001 - reported as the preflight's row, with its first line
-        result = {"ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
-    finally:
-        dump.cleanup()
+    result = lowered(cfg)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -93,33 +93,40 @@ FSDP4_EP2 = TINY_DEEPSEEK + ["ici_fsdp_parallelism=4", "ici_expert_parallelism=2
 FSDP2_EP4 = TINY_DEEPSEEK + ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "remat_policy=minimal"]
 
 
-# MaxText.lowering's main with XLA:CPU's backend optimisations off (conftest's reason): they run after the
-# module the counts are read from (dumped right after SPMD partitioning), so the JSON is the same, ~20 s sooner
-# per lowering (measured: 48 s -> 28 s of compile for FSDP4_EP2).
-_LOWERING = ("import sys; from MaxText import lowering; "
-             "lowering._DUMP_FLAGS += ' --xla_backend_optimization_level=0'; sys.exit(lowering.main(sys.argv[1:]))")
+# Both layouts lowered in one process (one JAX start-up), with XLA:CPU's backend optimisations off (conftest's
+# reason): they run after the module the counts are read from (dumped right after SPMD partitioning), so the JSON
+# is the same, ~20 s sooner per lowering (measured: 48 s -> 28 s of compile for FSDP4_EP2).
+_LOWERING = ("import json, sys; from MaxText import lowering; from MaxText.config import load_config; "
+             "print(json.dumps([lowering.lowered(load_config(a), backend_optimization=False) "
+             "for a in json.loads(sys.argv[1])]))")
 
 
-def lowered(argv) -> dict:
-    """MaxText.lowering's JSON for argv, in its own process."""
+def lowered(*argvs) -> list[dict]:
+    """MaxText.lowering's JSON for each argv, lowered in one process of their own (the same num_devices)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    done = subprocess.run([sys.executable, "-c", _LOWERING, *argv], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _LOWERING, json.dumps(argvs)], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["ok"] and result["collectives"], result
-    return result
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for argv, result in zip(argvs, results):
+        assert result["ok"] and result["collectives"], (argv[-3:], result)
+    return results
 
 
 @pytest.fixture(scope="module")
-def tiny_deepseek_lowered():
+def both_lowered():
+    return lowered(FSDP4_EP2, FSDP2_EP4)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_lowered(both_lowered):
     """The tiny DeepSeek (MLA, group-limited routing, MTP) lowered on 8 CPU devices, fsdp 4 x expert 2, bf16
     compute, logits in 4 tiles: MaxText.lowering's JSON."""
-    return lowered(FSDP4_EP2)
+    return both_lowered[0]
 
 
 @pytest.fixture(scope="module")
-def tiny_deepseek_ep4_lowered():
-    return lowered(FSDP2_EP4)
+def tiny_deepseek_ep4_lowered(both_lowered):
+    return both_lowered[1]
 
 
 def test_weights_are_gathered_in_the_compute_dtype(tiny_deepseek_lowered):
