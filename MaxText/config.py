@@ -30,7 +30,7 @@ import yaml
 
 from MaxText import upstream
 from MaxText.config_checks import (  # noqa: F401 - MESH_AXES, REMAT_TENSOR_NAMES: part of this module's interface
-    MESH_AXES, PLAIN_NAME, REMAT_TENSOR_NAMES, ConfigError, _clip, validate)
+    MESH_AXES, PLAIN_NAME, REMAT_TENSOR_NAMES, ConfigError, _clip, error_line, shown, validate)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 BASE_CONFIG = os.path.join(CONFIG_DIR, "base.yml")
@@ -115,13 +115,21 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist")
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: byte {e.start} is 0x{raw[e.start]:02x}; save it "
+                          "as UTF-8") from None
+    try:
         data = copy.deepcopy(_parse_yaml(path, text))  # callers edit what they get (base_config is popped)
     except _DuplicateKey as e:
-        raise ConfigError(f"config file {path}: {e}; keep one") from None
+        raise ConfigError(f"config file {path}: {_clip(str(e), 200)}; keep one") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_clip(str(e).splitlines()[0], 200)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -190,6 +198,24 @@ COMMAND_LINE = "on the command line"  # _merge's origin for key=value arguments
 _BOOLS = {"true": True, "false": False}
 
 
+def _refuse_empty(overrides: dict[str, str], defaults: dict[str, Any]) -> None:
+    """`key=` with nothing after it (what a job script writes when its variable is unset) is an error, not the
+    key's default: `run_name=` would pick a fresh name on every restart and never resume. Keys whose default is
+    the empty string (profiler) take it, as do the keys where upstream MaxText gives "" a meaning of its own
+    (base_output_directory: ./maxtext_output, with a log line; upstream.VALUE_SPELLINGS); `key=null` still asks for
+    a null default."""
+    upstream_empty = {"base_output_directory"} | {key for key, value in upstream.VALUE_SPELLINGS if value == ""}
+    for key, value in overrides.items():
+        known = key in defaults or key in upstream.upstream_defaults()
+        theirs_only = key not in defaults and upstream.upstream_defaults().get(key) == ""  # as upstream reads it
+        if value.strip() or not known or defaults.get(key) == "" or key in upstream_empty or theirs_only:
+            continue
+        unset = f", or {key}=null for " + ("a fresh automatic name (a rerun then never resumes)" if key == "run_name"
+                                           else "its default") if key in OPTIONAL_KEY_TYPES else ""
+        raise ConfigError(f"{key}= is empty on the command line (an unset variable in a job script?); give it a "
+                          f"value{unset}")
+
+
 def _command_line_scalar(want: type, value: str) -> Any:
     """`value` as `want` when it spells one plainly; else the string itself (rejected by _coerce)."""
     text = value.strip()
@@ -208,8 +234,12 @@ def _command_line_scalar(want: type, value: str) -> Any:
 
 
 def _nearest(key: str, known) -> str:
-    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.0)
-    return f"; did you mean {match[0]!r}?" if match else ""
+    """"; did you mean 'x'?" for the known name that `key` spells in other case or with '-' for '_', else for one
+    close to it; nothing when none is."""
+    plain = {name.lower().replace("-", "_"): name for name in known}
+    wanted = key.lower().replace("-", "_")
+    close = [wanted] if wanted in plain else difflib.get_close_matches(wanted, list(plain), n=1, cutoff=0.75)
+    return f"; did you mean {plain[close[0]]!r}?" if close else ""
 
 
 def _key_type(key: str, default: Any) -> type:
@@ -265,7 +295,7 @@ def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
         ok = isinstance(value, list)
     if not ok:
         example = default if default is not None else "..."
-        raise ConfigError(f"{key}={value!r} ({origin}) is not a valid {want.__name__}; "
+        raise ConfigError(f"{key}={shown(value)} ({origin}) is not a valid {want.__name__}; "
                           f"use {_article(want.__name__)} {want.__name__} such as {key}={example}")
     return value
 
@@ -278,7 +308,7 @@ def _value(key: str, value: Any, defaults: dict[str, Any], origin: str) -> Any:
         return None if key in MINUS_ONE_IS_UNSET and parsed == -1 else parsed
     if key in upstream.upstream_defaults():
         return upstream.parse_value(key, value, origin)
-    raise ConfigError(f"unknown key {key!r} ({origin}){_nearest(key, defaults)}")
+    raise ConfigError(f"unknown key {_clip(repr(key))} ({origin}){_nearest(key, defaults)}")
 
 
 def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str,
@@ -378,6 +408,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     base_path = os.path.abspath(BASE_CONFIG)
     defaults = _read_yaml(base_path)
     defaults.pop("base_config", None)
+    _refuse_empty(overrides, defaults)
     for key, default in defaults.items():
         assert default is not None or key in OPTIONAL_KEY_TYPES, f"base.yml: type of null key {key} unknown"
 
@@ -483,7 +514,7 @@ def tool_main(run, argv, doc: str) -> int:
     try:
         run(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 
 from MaxText.hardware import GPU_PROFILES
 
@@ -151,6 +152,41 @@ def check_positive(cfg) -> None:
                           f"{cfg.wsd_decay_steps_fraction} exceed 1 (the whole schedule); lower one of them")
 
 
+INT32_MAX = 2 ** 31 - 1
+# Keys outside int32 (each checks its own range elsewhere): PRNG seeds are uint32.
+UINT32_KEYS = ("init_weights_seed", "data_shuffle_seed")
+# Upper (and the lower bounds check_positive does not give) of keys with a range that makes sense:
+# {key: (lowest, highest)}, both inclusive, None for no bound there.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "learning_rate": (None, 10.0), "adam_weight_decay": (None, 10.0), "adam_eps": (None, 1.0),
+    "normalization_layer_epsilon": (None, 1.0), "cosine_learning_rate_final_fraction": (0.0, 1.0),
+    "wsd_decay_steps_fraction": (0.0, 1.0), "load_balance_loss_weight": (None, 100.0),
+    "router_z_loss_weight": (None, 100.0), "mtp_loss_scaling_factor": (None, 100.0),
+    "routed_bias_update_rate": (None, 1.0), "hbm_gib": (None, 1e5), "host_memory_limit_gb": (1, 1e5),
+    "rope_factor": (1e-6, None), "beta_fast": (1e-6, None), "beta_slow": (1e-6, None), "mscale": (1e-6, None),
+    "original_max_position_embeddings": (1, None), "routed_scaling_factor": (1e-6, None),
+    "grain_worker_count": (0, 1024), "grain_worker_count_eval": (0, 1024), "reuse_example_batch": (0, None),
+}
+
+
+def check_ranges(cfg) -> None:
+    """Both bounds: every integer fits the int32 that JAX and Optax count steps, sizes and ids in (a seed the
+    uint32 of a PRNG key), and the keys of RANGES stay in theirs."""
+    for key, value in cfg.items():
+        if isinstance(value, int) and not isinstance(value, bool) and key not in UINT32_KEYS \
+                and not -INT32_MAX <= value <= INT32_MAX:
+            raise ConfigError(f"{key}={value} is out of range: at most 2**31 - 1 = {INT32_MAX} (steps, periods and "
+                              "sizes are int32 in JAX and Optax)")
+    for key, (low, high) in RANGES.items():
+        value = cfg[key]
+        if value is None:
+            continue
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = (f"between {low:g} and {high:g}" if low is not None and high is not None
+                      else f"at least {low:g}" if low is not None else f"at most {high:g}")
+            raise ConfigError(f"{key}={value} must be {bounds}")
+
+
 def check_rope(cfg) -> None:
     """YaRN's own keys do nothing under plain RoPE: a value set there would be ignored in silence."""
     if cfg.rope_type != "yarn" and cfg.rope_attention_factor != 1.0:
@@ -166,6 +202,12 @@ def check_attention_heads(cfg) -> None:
             f"base_num_kv_heads={cfg.base_num_kv_heads}")
     if cfg.head_dim % 2:
         raise ConfigError(f"head_dim={cfg.head_dim} must be even (RoPE rotates pairs of features)")
+    if cfg.attention_type == "mla":
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if cfg[key] < 1:
+                raise ConfigError(f"{key}={cfg[key]} must be at least 1 under attention_type=mla")
+        if cfg.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE rotates pairs of features)")
 
 
 def check_layers(cfg) -> None:
@@ -235,7 +277,8 @@ def check_logical_axis_rules(cfg) -> None:
         axes = [] if not ok or rule[1] is None else ([rule[1]] if isinstance(rule[1], str) else list(rule[1]))
         if not ok or any(a not in MESH_AXES for a in axes):
             raise ConfigError(
-                f"logical_axis_rules entry {rule!r} must be [logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+                f"logical_axis_rules entry {shown(rule)} must be [logical_name, [mesh axes from "
+                f"{', '.join(MESH_AXES)}]]")
     # The dropless impls run per device in shard_map: tokens must be split over `expert` wherever experts are,
     # or every expert-parallel rank would hold (and dispatch) the same tokens.
     expert_parallel = any(cfg[f"{g}_expert_parallelism"] not in (1,) for g in ("ici", "dcn"))
@@ -255,8 +298,26 @@ def check_run_name(cfg) -> None:
 
 
 def _clip(text: str, limit: int = 80) -> str:
-    """A user's value in an error line, at most `limit` characters."""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    """A user's value in an error line: at most `limit` characters of it, and its size when it is longer."""
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+# repr of a user's value that never expands it whole (a YAML alias bomb is a small file and an endless repr).
+_SHORT_REPR = reprlib.Repr(maxlevel=3, maxlist=4, maxtuple=4, maxdict=4, maxstring=60, maxother=60)
+
+
+def shown(value) -> str:
+    """A user's value (any YAML) in an error line: its repr, bounded however large or nested it is."""
+    return _clip(_SHORT_REPR.repr(value))
+
+
+ERROR_LINE_LIMIT = 1000
+
+
+def error_line(error: BaseException | str) -> str:
+    """What follows `error: ` on stderr: the message on one line, at most ERROR_LINE_LIMIT characters whatever a
+    value in it held."""
+    return _clip(" ".join(str(error).split()), ERROR_LINE_LIMIT) or type(error).__name__
 
 
 def check_checkpoint_sources(cfg) -> None:
@@ -340,9 +401,10 @@ def check_paths(cfg) -> None:
             raise ConfigError(error)
 
 
-CHECKS = (check_choices, check_te_options, check_router, check_positive, check_rope, check_attention_heads,
-          check_layers, check_experts, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
-          check_checkpoint_sources, check_upstream_consistency, check_paths)
+CHECKS = (check_choices, check_te_options, check_router, check_positive, check_ranges, check_rope,
+          check_attention_heads, check_layers, check_experts, check_dense_masks, check_parallelism,
+          check_logical_axis_rules, check_run_name, check_checkpoint_sources, check_upstream_consistency,
+          check_paths)
 
 
 def validate(cfg) -> None:

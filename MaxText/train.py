@@ -17,11 +17,23 @@ if __name__ == "__main__" and not __package__:  # `python MaxText/train.py ...`,
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, not MaxText/
     runpy.run_module("MaxText.train", run_name="__main__", alter_sys=True)
 
-if __name__ == "__main__":  # from the first import on, a scheduler's SIGTERM only asks the run to stop (StopFlag)
-    _EARLY_SIGTERM = []
-    signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.append(True))
+_SECOND_SIGINT = "SIGINT again: exiting now; the newest durable checkpoint is kept"
+
+if __name__ == "__main__":  # from the first import on, SIGTERM (a scheduler's) or Ctrl-C only asks the run to stop
+    _EARLY_SIGNALS = []
+
+    def _early(signum, _):
+        _EARLY_SIGNALS.append(signum)
+        if _EARLY_SIGNALS.count(signal.SIGINT) > 1:
+            print(f"\n{_SECOND_SIGINT}", file=sys.stderr, flush=True)
+            os._exit(130)
+
+    signal.signal(signal.SIGTERM, _early)
+    signal.signal(signal.SIGINT, _early)
 
 from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
+from MaxText.config_checks import error_line
+from MaxText.data import DataError
 from MaxText.distributed import maybe_initialize_distributed, process_count
 from MaxText.run_lock import automatic_run_name, run_lock
 
@@ -39,32 +51,44 @@ class NonFiniteError(RuntimeError):
 
 
 class StopFlag:
-    """Set by SIGTERM (what schedulers send before preemption): the loop checkpoints at the next step
-    boundary and returns. Installed only in the main thread; the previous handler comes back on exit. Under
-    `python -m MaxText.train` a SIGTERM that came during the imports, before main() ran, sets it too."""
+    """Set by SIGTERM (what schedulers send before preemption) or SIGINT (Ctrl-C): the loop checkpoints at the
+    next step boundary and returns. A second SIGINT exits at once (status 130), saving nothing more. Installed
+    only in the main thread; the previous handlers come back on exit. Under `python -m MaxText.train` a signal
+    that came during the imports, before main() ran, sets it too."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.set, self.previous = False, None
+        self.set, self.name, self.interrupts, self.previous = False, "SIGTERM", 0, {}
 
     def __enter__(self):
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-        self.set = bool(globals().get("_EARLY_SIGTERM"))  # read after taking over: none is lost in between
+            self.previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        for signum in globals().get("_EARLY_SIGNALS", ()):  # read after taking over: none is lost in between
+            self._handle(signum, None)
         return self
 
     def _handle(self, signum, frame):
-        self.set = True
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                print(f"\n{_SECOND_SIGINT}", file=sys.stderr, flush=True)
+                os._exit(130)
+            print("\nSIGINT: stopping after this step with a checkpoint (Ctrl-C again exits at once)",
+                  file=sys.stderr, flush=True)
+        if not self.set:
+            self.set, self.name = True, signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
 
     def before_first_step(self, log) -> bool:
-        """True (and says so) when a SIGTERM came before the first step: there is nothing to save."""
+        """True (and says so) when a stop signal came before the first step: there is nothing to save."""
         if self.set:
-            log("SIGTERM during set-up, before the first step: nothing to save; stopping")
+            log(f"{self.name} during set-up, before the first step: nothing to save; stopping")
         return self.set
 
 
@@ -177,9 +201,22 @@ class Evaluator:
         return record
 
 
+def _stopped_at(step: int, start: int, state, data, checkpointer) -> str:
+    """After bad data: the last completed step checkpointed (with the input position before the batch given
+    up) unless it already is, or nothing ran; the end of the run's one error line, saying which."""
+    if step == start:
+        return f"stopped before step {step + 1}" + (f" (resumed from step {start}, which is saved)" if start else "")
+    if not checkpointer.enabled:
+        return f"stopped after step {step} (enable_checkpointing=false: not saved)"
+    if checkpointer.latest_step() != step:
+        checkpointer.save(step, state, data.state())
+    checkpointer.wait()
+    return f"stopped after step {step}, saved in {checkpointer.directory}/{step}"
+
+
 def train(cfg, log=print, devices=None, stop: StopFlag | None = None) -> dict | None:
     """Runs the training loop to cfg.steps on `devices` (default: all); returns the last logged metrics
-    record (None if no step ran). SIGTERM at any moment from here on (from main()'s start when `stop` is
+    record (None if no step ran). SIGTERM or SIGINT at any moment from here on (from main()'s start when `stop` is
     main's) stops the run cleanly: during set-up (nothing to save), during a step or its compile (that step is
     checkpointed), during a save."""
     if stop is not None:
@@ -294,7 +331,12 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
         try:
             for step in range(start, cfg.steps):
-                batch = jax.make_array_from_process_local_data(batch_sharding, next(data))
+                try:
+                    local = next(data)
+                except DataError as e:
+                    settle()
+                    raise DataError(f"{e}; {_stopped_at(step, start, state, data, checkpointer)}") from None
+                batch = jax.make_array_from_process_local_data(batch_sharding, local)
                 profiler.before_step(step)
                 state, step_metrics = step_fn(state, batch)
                 profiler.after_step(step, state)
@@ -314,7 +356,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
                                       f"{np.sum(record['eval_moe_overflow']):.0f}"
                                       if "eval_moe_overflow" in record else ""))
                 if stopping:
-                    log(f"SIGTERM: stopped after step {step + 1}")
+                    log(f"{stop.name}: stopped after step {step + 1}")
                     break
             settle()
         finally:
@@ -325,7 +367,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
 
 
 def main(argv=None) -> int:
-    with StopFlag() as stop:  # SIGTERM from here on exits 0 (see train)
+    with StopFlag() as stop:  # SIGTERM or Ctrl-C from here on exits 0 (see train)
         return _main(sys.argv[1:] if argv is None else argv, stop)
 
 
@@ -336,7 +378,7 @@ def _main(argv, stop) -> int:
     try:
         cfg = load_config(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     if cfg.xla_flags:  # an unknown flag would abort XLA at start with a C++ fatal error: say it in one line
         from MaxText.xla_flags import check_flags
@@ -348,7 +390,7 @@ def _main(argv, stop) -> int:
     try:
         processes = process_count()  # the launcher's variables, checked before JAX starts
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
     from MaxText.checkpointing import CheckpointError, SaveTimeout
@@ -363,11 +405,14 @@ def _main(argv, stop) -> int:
                 cfg.run_name = automatic_run_name()
         train(cfg, stop=stop)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         sys.unraisablehook = lambda *_: None  # Orbax's abandoned coroutines would print tracebacks at exit
         return 2
+    except DataError as e:  # a bad document met mid-run (what start-up cannot see without reading all the data)
+        print(f"error: {error_line(e)}", file=sys.stderr)
+        return 2
     except (NonFiniteError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         if isinstance(e, SaveTimeout):  # Orbax's writer threads may be stuck for good: exit without joining them
             sys.stdout.flush()
             sys.stderr.flush()

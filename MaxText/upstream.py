@@ -320,9 +320,11 @@ REFUSED_VALUES = {
 
 def show(value: Any) -> str:
     """A value as it is written on the command line: true/false, null, '' for the empty string."""
-    from MaxText.config import _clip  # here: config imports this module
+    from MaxText.config_checks import _clip, shown  # here: config imports this module
     if isinstance(value, bool) or value is None:
         return "null" if value is None else str(value).lower()
+    if isinstance(value, (list, tuple, dict)):
+        return shown(value)
     return _clip(str(value)) if value != "" else "''"
 
 

@@ -39,10 +39,16 @@ def config(data_dir, *overrides):
     return tiny_config(*config_args("tfds", data_dir), *overrides)
 
 
+def records(it, epoch: int):
+    """A pipeline's records of epoch `epoch`'s order, without the (file, row) a pipeline may pair them with."""
+    for record in it.epoch_records(epoch):
+        yield record[0] if isinstance(record, tuple) else record
+
+
 def texts(it, epoch: int) -> list[str]:
     """The documents of epoch `epoch` of a pipeline's stream, in order, as text (pre-tokenized ones decoded)."""
     out = []
-    for record in it.epoch_records(it.order_epoch(epoch)):
+    for record in records(it, it.order_epoch(epoch)):
         if isinstance(record, bytes):
             record = record.decode("utf-8", errors="replace")
         out.append(record if isinstance(record, str) else it.tokenizer.decode(record))
@@ -268,7 +274,7 @@ def assert_round_trip_and_packing(cfg, tok, name):
     it = make_data(cfg, 2)
     # A pipeline that tokenizes while it reads (grain) hands over token arrays; the others, text.
     tokens = [r if not isinstance(r, (str, bytes)) else tok.encode(r if isinstance(r, str) else r.decode())
-              for r in it.epoch_records(0)]
+              for r in records(it, 0)]
     want = reference_rows(tokens, [tok.bos_id], [tok.eos_id])
     got = stacked(take(it, 2))
     for k in KEYS:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from MaxText.data import BATCH_KEYS, grain_data, make_data, validate
+from MaxText.data import BATCH_KEYS, DataError, grain_data, make_data, validate
 from MaxText.data.grain_data import GrainData, document_of
 from MaxText.data.to_array_record import example_bytes, main
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -215,7 +215,8 @@ def test_pre_tokenized_id_beyond_the_vocabulary(tmp_path):
                                                                                          "text", None)])
     validate(config(path))  # the first record fits
     it = GrainData(config(path), 2)
-    with pytest.raises(ValueError, match="holds id 300 outside vocab_size=259; it was tokenized with another"):
+    with pytest.raises(DataError, match=f"grain_train_files: {path}, record 1: a pre-tokenized document holds id "
+                       "300 outside vocab_size=259: it was tokenized for another vocabulary"):
         take(it, 4)
     write_records(path, [example_bytes(np.array([5, 300]), "text", None)])
     one_line_error(r"holds token id 300 >= vocab_size=259: it was pre-tokenized for another vocabulary",

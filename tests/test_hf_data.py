@@ -109,7 +109,7 @@ def test_pre_tokenized_ids_and_nulls_pack_like_text(corpora):
                  "eval_data_columns=[ids]", "eval_interval=10")
     validate(ids)
     it = HfData(ids, 4)
-    records = list(it.epoch_records(0))
+    records = [record for record, _ in it.epoch_records(0)]
     arrays = [r for r in records if isinstance(r, np.ndarray) and r.dtype == np.int64]
     assert len(arrays) == len(records) - 1 and all(len(r) for r in arrays), "ids are not int arrays"
     assert [r for r in records if len(r) == 0] == [""], "the null is not one empty document"
@@ -132,9 +132,15 @@ def test_process_parts_are_disjoint_and_cover_every_row(files):
 def test_more_processes_than_files(corpora):
     """Four processes over three files: every file shared row by row; the documents still split exactly."""
     cfg = config("hf_path=parquet", *files_args(corpora["parquet"]))
-    docs = [list(HfData(cfg, 4, p, 4).epoch_records(0)) for p in range(4)]
+    located = [list(HfData(cfg, 4, p, 4).epoch_records(0)) for p in range(4)]
+    docs = [[d for d, _ in part] for part in located]
     assert sorted(d for part in docs for d in part) == sorted(TRAIN_DOCS), "the processes' documents are not the split"
     assert all(docs), "a process got no documents"
+    import pyarrow.parquet as pq  # each record's (file, row), as error messages name it, is where it is
+
+    it = HfData(cfg, 4)
+    columns = [pq.read_table(f).column("text").to_pylist() for f in it.src.files]
+    assert all(columns[f][row] == d for part in located for d, (f, row) in part), "a record's (file, row) is wrong"
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -1,4 +1,4 @@
-"""Stopping cleanly: a non-finite step is never checkpointed, and SIGTERM checkpoints and exits 0."""
+"""Stopping cleanly: a non-finite step is never checkpointed, and SIGTERM or Ctrl-C checkpoints and exits 0."""
 
 import json
 import os
@@ -50,23 +50,31 @@ def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys
         train(load_config(tiny_args(args, ["run_name=nan2"])), log=lambda *_: None)
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tmp_path):
-    """A scheduler's SIGTERM mid-run: exit 0 with a checkpoint at the step it stopped after; a rerun resumes
-    from exactly there."""
+def _mid_run(tmp_path, name: str, extra=()):
+    """A trainer process of TINY with no end in sight, once it has logged 3 steps: (process, metrics file)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    args = [sys.executable, "-m", "MaxText.train", *TINY, f"base_output_directory={tmp_path}", "run_name=term",
-            "steps=100000", "checkpoint_period=100000", "log_period=1"]
+    args = [sys.executable, "-m", "MaxText.train", *tiny_args(TINY + [f"base_output_directory={tmp_path}",
+            f"run_name={name}", "steps=100000", "checkpoint_period=100000", "log_period=1"], list(extra))]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "term" / "metrics" / "metrics.jsonl"
+    metrics = tmp_path / name / "metrics" / "metrics.jsonl"
     deadline = time.time() + 120
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    return proc, metrics
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tmp_path, signum):
+    """A scheduler's SIGTERM, or Ctrl-C (SIGINT), mid-run: exit 0 with a checkpoint at the step it stopped after;
+    a rerun resumes from exactly there. SIGINT used to be a KeyboardInterrupt traceback that saved nothing."""
+    proc, metrics = _mid_run(tmp_path, "term")
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    assert "SIGTERM: stopped after step" in out, out
-    stopped = int(out.split("SIGTERM: stopped after step ")[1].split()[0])
+    name = signal.Signals(signum).name
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert f"{name}: stopped after step" in out, out
+    stopped = int(out.split(f"{name}: stopped after step ")[1].split()[0])
     assert sorted(os.listdir(tmp_path / "term" / "checkpoints")) == [str(stopped)], out
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert logged[-1] == stopped, (logged, stopped)  # every step up to the checkpoint was finished and logged
@@ -76,6 +84,33 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tmp_path):
     lines = []
     train(cfg, log=lines.append)
     assert any(f"resuming from {tmp_path}/term/checkpoints/{stopped}" in line for line in lines), lines
+
+
+_TWO_CTRL_C = """
+import os, signal, sys, time
+from MaxText.train import StopFlag
+with StopFlag() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    print("stop requested:", stop.set, stop.name, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+    print("still running")
+"""
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
+    """Ctrl-C twice (two real SIGINTs, the second after the first was handled: the kernel merges two that are
+    pending at once): the first asks for a stop at the next step, the second exits at once with status 130 and
+    one line, no traceback, without waiting for the step (here a 30 s sleep) or a save."""
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", _TWO_CTRL_C], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 130 and time.time() - started < 25, done
+    assert done.stdout.strip() == "stop requested: True SIGINT", done
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        "SIGINT: stopping after this step with a checkpoint (Ctrl-C again exits at once)",
+        "SIGINT again: exiting now; the newest durable checkpoint is kept"], done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -205,15 +240,16 @@ def test_sigkill_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_pa
     np.testing.assert_allclose([last[s] for s in range(1, 7)], full, rtol=1e-6)
 
 
-def _catches_sigterm(pid: int) -> bool:
-    """Whether process pid has a handler for SIGTERM (Linux: bit 15 - 1 of SigCgt in /proc/<pid>/status)."""
+def _catches(pid: int, signum) -> bool:
+    """Whether process pid has a handler for signum (Linux: bit signum - 1 of SigCgt in /proc/<pid>/status)."""
     with open(f"/proc/{pid}/status") as f:
         caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
-    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
-@pytest.mark.parametrize("when", ["imports", "set-up"])
-def test_sigterm_before_the_first_step_exits_0_with_nothing_to_save(tmp_path, when):
+@pytest.mark.parametrize("when,signum", [("imports", signal.SIGTERM), ("set-up", signal.SIGTERM),
+                                         ("imports", signal.SIGINT)], ids=["imports", "set-up", "imports-SIGINT"])
+def test_sigterm_before_the_first_step_exits_0_with_nothing_to_save(tmp_path, when, signum):
     """SIGTERM during the imports (as soon as the process has a handler: its first lines under `python -m
     MaxText.train`, before JAX or the config are loaded) or right after the run's first log line (state
     creation, data, compile still ahead): exit 0 and one line saying nothing was saved, or, had the first step's
@@ -226,20 +262,23 @@ def test_sigterm_before_the_first_step_exits_0_with_nothing_to_save(tmp_path, wh
     first = ""
     if when == "imports":
         deadline = time.time() + 60
-        while not _catches_sigterm(proc.pid) and time.time() < deadline:
+        while not _catches(proc.pid, signum) and time.time() < deadline:
             pass
         with open(f"/proc/{proc.pid}/maps") as f:  # the handler came before JAX was loaded (not at train())
             assert "jaxlib" not in f.read()
     else:
         first = proc.stdout.readline()
         assert first.startswith("run early:"), first
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
+    name = signal.Signals(signum).name
     assert proc.returncode == 0, first + out
     if when == "imports":  # nothing ran: no run line, no run directory
-        assert out.strip() == "SIGTERM during set-up, before the first step: nothing to save; stopping", out
+        assert out.strip().splitlines()[-1] == f"{name} during set-up, before the first step: nothing to save; " \
+            "stopping" and "run early:" not in out, out
         assert not os.path.exists(tmp_path / "early")
-    assert "SIGTERM during set-up, before the first step: nothing to save" in out or "SIGTERM: stopped after step 1" in out, out
+    assert (f"{name} during set-up, before the first step: nothing to save" in out
+            or f"{name}: stopped after step 1" in out), out
     assert "Traceback" not in out, out
 
 

@@ -69,6 +69,27 @@ MISTAKES = [
     ("full state from nowhere", args(TINY, ["load_full_state_path=/nope/items"]), "/nope/items does not exist"),
     ("a GPU asked for on a CPU machine", args(TINY, ["hardware=gpu"]), "hardware=gpu but JAX found no GPU"),
     ("too big for the device", args(TINY, ["hbm_gib=0.0001"]), "GiB per device (params, gradients and optimizer"),
+    # Suggestions that help: case and '-' do not matter; nothing far from the input is suggested (see below).
+    ("all-capitals key", ["PER_DEVICE_BATCH_SIZE=2"], "unknown key 'PER_DEVICE_BATCH_SIZE' (on the command line); "
+     "did you mean 'per_device_batch_size'?"),
+    ("dashes for underscores", ["per-device-batch-size=2"], "did you mean 'per_device_batch_size'?"),
+    # An empty value is what a job script writes for an unset variable: never the key's default in silence.
+    ("empty run_name", ["run_name="], "run_name= is empty on the command line"),
+    ("empty path", ["load_parameters_path="], "load_parameters_path= is empty on the command line"),
+    ("empty int", ["steps="], "steps= is empty on the command line"),
+    # Both bounds: integers fit int32, ranges that make sense.
+    ("steps beyond int32", ["steps=1000000000000"], "steps=1000000000000 is out of range: at most 2**31 - 1"),
+    ("period beyond int32", ["checkpoint_period=2147483648"], "checkpoint_period=2147483648 is out of range"),
+    ("timeout beyond int32", ["checkpoint_timeout_s=99999999999"], "checkpoint_timeout_s=99999999999 is out of"),
+    ("vocabulary beyond int32", ["vocab_size=3000000000"], "vocab_size=3000000000 is out of range"),
+    ("absurd learning rate", ["learning_rate=100"], "learning_rate=100.0 must be at most 10"),
+    ("final fraction over 1", ["cosine_learning_rate_final_fraction=2"], "must be between 0 and 1"),
+    ("negative worker count", ["grain_worker_count=-1"], "grain_worker_count=-1 must be between 0 and 1024"),
+    ("zero YaRN factor", ["rope_factor=0"], "rope_factor=0.0 must be at least 1e-06"),
+    ("empty pinned pool", ["host_memory_limit_gb=0"], "host_memory_limit_gb=0 must be between 1 and"),
+    ("epsilon over 1", ["adam_eps=2"], "adam_eps=2.0 must be at most 1"),
+    ("MLA without a KV rank", ["attention_type=mla", "kv_lora_rank=0"],
+     "kv_lora_rank=0 must be at least 1 under attention_type=mla"),
     ("missing dataset path", args(TINY, ["dataset_type=tfds", "dataset_name=c4/en:3.0.1", "dataset_path=/nope",
                                          "vocab_size=512"]), "dataset_name=c4/en:3.0.1 in dataset_path /nope: Failed to construct"),
 ]
@@ -93,7 +114,48 @@ def test_a_mistake_is_one_line_and_exit_2(label, argv, phrase, capsys, tmp_path,
 
 
 def test_the_table_is_big_enough():
-    assert len(MISTAKES) >= 40
+    assert len(MISTAKES) >= 70
+
+
+def test_a_key_far_from_every_known_one_gets_no_suggestion(capsys):
+    assert train.main(["zzzzqqq=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown key 'zzzzqqq' (on the command line)", err
+
+
+def _alias_bomb(path):
+    """A YAML file of a few hundred bytes whose one value expands to 9**6 strings."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 6)]
+    path.write_text("steps: {" + ", ".join(lines) + "}\n")
+
+
+# (label, writes the bad file at the path, argv given that path, phrase of the error line)
+BAD_FILES = [
+    ("config not UTF-8", lambda p: p.write_bytes(b"steps: 3\nrun_name: caf\xe9\n"), lambda p: [str(p)],
+     "is not UTF-8 text: byte 22 is 0xe9; save it as UTF-8"),
+    ("YAML alias bomb", _alias_bomb, lambda p: [str(p)], "characters) (in "),
+    ("tokenizer.json that is not one", lambda p: p.write_text("not a tokenizer"),
+     lambda p: args(TINY, ["dataset_type=tfds", f"tokenizer_path={p}"]), "is not a Hugging Face tokenizer file"),
+    ("SentencePiece model that is not one", lambda p: p.write_bytes(b"\x00garbage"),
+     lambda p: args(TINY, ["dataset_type=tfds", f"tokenizer_path={p}"]), "is not a SentencePiece tokenizer file"),
+]
+
+
+@pytest.mark.parametrize("label,write,argv,phrase", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_a_bad_file_is_one_line_at_start_up(label, write, argv, phrase, capsys, tmp_path, monkeypatch):
+    """Files a run reads are opened and checked at start-up: a config file in another encoding used to be a
+    UnicodeDecodeError, a tokenizer file that is not one the tokenizers library's own exception, and an alias
+    bomb's error line 39 MB long."""
+    suffix = {"tokenizer.json that is not one": ".json", "SentencePiece model that is not one": ".model"}
+    path = tmp_path / f"bad{suffix.get(label, '.yml')}"
+    write(path)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = train.main([*argv(path), f"base_output_directory={tmp_path}"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, (label, err[-1000:])
+    assert phrase in errors[0] and str(path) in errors[0] and len(errors[0]) < 500, (label, errors[0][:1000])
 
 
 @pytest.mark.parametrize("arg", ["base_output_directory=s3://bucket/runs", "base_output_directory=http://host/runs",

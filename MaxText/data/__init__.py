@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from MaxText.config import ConfigError
 
+class DataError(ValueError):
+    """A document the pipeline cannot use, met while reading (what the start-up checks cannot see without reading
+    every record): the message names the file, the row and the key to change. The trainer stops on it in one
+    line, exit status 2, after checkpointing the last completed step."""
+
+
 # The arrays of every pipeline's batch, each [rows, L] int32 (the first four in the order packing fills them).
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 

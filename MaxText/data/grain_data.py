@@ -107,14 +107,11 @@ class Tokenize(grain.transforms.Map):
     for token ids (PackedDocuments checks those against vocab_size). Runs in Grain's workers: the tokenizer
     travels to them pickled."""
 
-    def __init__(self, column: str, tokenizer, source_name: str):
-        self.column, self.tokenizer, self.source_name = column, tokenizer, source_name
+    def __init__(self, column: str, tokenizer):
+        self.column, self.tokenizer = column, tokenizer
 
     def map(self, record: bytes) -> np.ndarray:
-        try:
-            document = document_of(record, self.column)
-        except ValueError as e:
-            raise ValueError(f"{self.source_name}: {e}") from None
+        document = document_of(record, self.column)  # its ValueError reaches PackedDocuments: a DataError there
         if isinstance(document, bytes):
             return self.tokenizer.encode(document.decode("utf-8", errors="replace"))
         return document
@@ -233,16 +230,37 @@ class GrainData(PackedDocuments):
             raise ConfigError(f"{self.key} is not set: dataset_type=grain reads the {split} documents from "
                               f"ArrayRecord files; set it to their glob")
         self.pattern, self.paths = cfg[self.key], matching_files(cfg, self.key)
+        self.ends = []  # each file's first record number after it, counted across the files
         for path in self.paths:
-            open_file(self.key, path).close()
+            reader = open_file(self.key, path)
+            self.ends.append((self.ends[-1] if self.ends else 0) + reader.num_records())
+            reader.close()
         source = grain.sources.ArrayRecordDataSource(self.paths)
         self.shard = grain.MapDataset.source(source)[process_index::process_count]
-        self.tokenize = Tokenize(text_column(cfg, split), self.tokenizer, self.source_name())
+        self.tokenize = Tokenize(text_column(cfg, split), self.tokenizer)
         self.workers = cfg.grain_worker_count if self.train else cfg.grain_worker_count_eval
         self.stream, self.stream_at = None, None  # the open pipeline and the (epoch, position) it reads next
 
     def source_name(self) -> str:
         return f"{self.key}={self.pattern} ({len(self.paths)} files)"
+
+    @property
+    def files_key(self) -> str:
+        return self.key
+
+    def locate(self, epoch: int, document: int) -> str:
+        """The file and record of document `document` of epoch `epoch`'s order (EpochOrder's map, then the
+        shard's slicing and the files' record counts)."""
+        import bisect
+
+        n, seed = len(self.shard), epoch_seed(self.seed, self.order_epoch(epoch), self.process_index)
+        index = self.process_index + self.process_count * grain.experimental.index_shuffle(
+            document % n, max_index=n - 1, seed=seed, rounds=4)
+        f = bisect.bisect_right(self.ends, index)
+        return f"{self.paths[f]}, record {index - (self.ends[f - 1] if f else 0)}"
+
+    def where(self) -> str:
+        return f"{self.key}: {self.locate(self.epoch, self.document)}"
 
     def epoch_records(self, epoch: int, skip: int = 0):
         """The tokens of this process's documents in epoch `epoch`'s order, from position `skip` on. Reads

@@ -285,12 +285,25 @@ class HfData(PackedDocuments):
     def source_name(self) -> str:
         return f"{self.src.where} ({len(self.src.files)} files)"
 
+    @property
+    def files_key(self) -> str:
+        return self.src.key
+
+    def where(self) -> str:
+        if self.here is None:
+            return super().where()
+        file_index, row = self.here
+        return f"{self.src.key}: {self.src.files[file_index]}, row {row}"
+
     def part_records(self, file_index: int, stride: int, phase: int):
-        """The column's values of the rows of one file whose index is phase modulo stride, as records."""
+        """The column's values of the rows of one file whose index is phase modulo stride, as (record, (file
+        index, row)) pairs."""
         row = 0
         for batch in self.src.dataset(self.src.files[file_index], column_only=True).iter(batch_size=READ_BATCH):
             values = batch[self.src.column]
-            yield from map(document, values[(phase - row) % stride::stride])
+            first = (phase - row) % stride
+            for k, value in enumerate(values[first::stride]):
+                yield document(value), (file_index, row + first + k * stride)
             row += len(values)
 
     def epoch_records(self, epoch: int, skip: int = 0):

@@ -23,7 +23,14 @@ records, grain indexes straight to d).
 
 A pipeline subclasses PackedDocuments and defines epoch_records(epoch, skip) (an iterator over this process's
 records of that epoch's order from number `skip` on: text as str or UTF-8 bytes, or a pre-tokenized int
-array) and source_name() (the split and files, for messages).
+array; or (record, where) with `where` the file and row it came from), source_name() (the split and files,
+for messages) and files_key (the key naming them); locate(epoch, document) may say more than "document d of
+epoch e".
+
+Bad data met mid-stream. A document that cannot be used (a pre-tokenized id outside vocab_size, a record the
+pipeline cannot parse) and a shard with no document raise DataError naming the file, the row and the key to
+change; the batch being filled is given up and the stream's position stays where that batch began, so state()
+is still the position after the last batch returned.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ import abc
 
 import numpy as np
 
-from MaxText.data import BATCH_KEYS
+from MaxText.data import BATCH_KEYS, DataError
+from MaxText.config_checks import _clip
 from MaxText.data.tokenizer import load_tokenizer
 
 EVAL_EPOCH = 2**31 - 1  # the "epoch" whose order the eval stream reads
@@ -64,6 +72,8 @@ class PackedDocuments(abc.ABC):
         self.pairs = None  # (inputs, targets) of document self.document once read
         self.records = None  # this epoch's records, positioned after self.document (or at it while pairs is None)
         self.opened_at, self.found_in_epoch, self.exhausted = 0, False, False
+        self.here = None  # the (file, row) of the record being read, when its pipeline says
+        self.column_key = "train_data_columns" if self.train else "eval_data_columns"
 
     # ------------------------------------------------------------------ what a pipeline defines
 
@@ -76,6 +86,16 @@ class PackedDocuments(abc.ABC):
     def source_name(self) -> str:
         """The split or files read, for messages."""
 
+    files_key = "dataset_name"  # the key naming what is read (a pipeline sets its own)
+
+    def locate(self, epoch: int, document: int) -> str:
+        """Where document `document` of epoch `epoch`'s order came from, for messages."""
+        return f"document {document} of {'epoch ' + str(epoch) if self.train else 'the eval split'}'s order"
+
+    def where(self) -> str:
+        """The document being read, as a message names it: its file and row where the pipeline knows them."""
+        return self.here or f"{self.source_name()}, {self.locate(self.epoch, self.document)}"
+
     # ------------------------------------------------------------------ the iterator
 
     def __iter__(self):
@@ -83,8 +103,14 @@ class PackedDocuments(abc.ABC):
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch = {k: np.zeros((self.rows, self.length), np.int32) for k in BATCH_KEYS}
-        for r in range(self.rows):
-            self.fill_row(*(batch[k][r] for k in BATCH_KEYS[:4]))
+        began = self.state()
+        try:
+            for r in range(self.rows):
+                self.fill_row(*(batch[k][r] for k in BATCH_KEYS[:4]))
+        except DataError:  # give the batch up: the position stays where it began (the records are reopened there)
+            self.epoch, self.document, self.offset = began["epoch"], began["document"], began["offset"]
+            self.pairs, self.records, self.exhausted = None, None, False
+            raise
         batch["targets_segmentation"][:] = batch["inputs_segmentation"]
         return batch
 
@@ -118,21 +144,44 @@ class PackedDocuments(abc.ABC):
             if self.records is None:
                 self.records = iter(self.epoch_records(self.order_epoch(self.epoch), skip=self.document))
                 self.opened_at, self.found_in_epoch = self.document, False
-            record = next(self.records, None)
+            self.here = None
+            try:
+                record = next(self.records, None)
+            except DataError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a record the pipeline (or its worker process) cannot read
+                reason = " ".join(str(e).split()) or type(e).__name__
+                raise DataError(f"{self.where()}: {_clip(reason, 300)}; fix or remove that file from "
+                                f"{self.files_key}") from None
+            if isinstance(record, tuple):
+                record, self.here = record
             if record is None:
                 self.records = None
                 if not self.train:
                     self.exhausted = True
                 elif self.opened_at == 0 and not self.found_in_epoch:
-                    raise ValueError(f"{self.source_name()} has no document with tokens for process "
-                                     f"{self.process_index}")
+                    raise DataError(f"{self.source_name()} has no document with tokens for process "
+                                    f"{self.process_index} (every record is empty or null); check "
+                                    f"{self.files_key} and the text column ({self.column_key})")
                 else:
                     self.epoch, self.document = self.epoch + 1, 0
-            elif (pairs := self.document_pairs(record)) is None:
+            elif (pairs := self._pairs(record)) is None:
                 self.document += 1
             else:
                 self.pairs, self.found_in_epoch = pairs, True
         return self.pairs
+
+    def _pairs(self, record):
+        """document_pairs(record); a failure there (a value of another type in the text column, say) is a
+        DataError naming the document."""
+        try:
+            return self.document_pairs(record)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the tokenizer's or numpy's own error on a value it cannot take
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise DataError(f"{self.where()}: this document cannot be tokenized ({_clip(reason, 200)}); check the "
+                            f"text column ({self.column_key}) or remove the file from {self.files_key}") from None
 
     def tokens(self, record) -> np.ndarray:
         """A record's tokens: text (str or UTF-8 bytes) through the tokenizer; a pre-tokenized array as it is,
@@ -144,8 +193,10 @@ class PackedDocuments(abc.ABC):
         tokens = np.asarray(record, np.int64)
         outside = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
         if outside.size:
-            raise ValueError(f"{self.source_name()}: a pre-tokenized document holds id {int(outside[0])} "
-                             f"outside vocab_size={self.vocab_size}; it was tokenized with another tokenizer")
+            raise DataError(f"{self.where()}: a pre-tokenized document holds id {int(outside[0])} outside "
+                            f"vocab_size={self.vocab_size}: it was tokenized for another vocabulary; set vocab_size "
+                            f"and tokenizer_path to the ones it was made with, or remove the file from "
+                            f"{self.files_key}")
         return tokens.astype(np.int32)
 
     def document_pairs(self, record) -> tuple[np.ndarray, np.ndarray] | None:

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from MaxText.config import ConfigError
+from MaxText.config import ConfigError, _clip
 
 BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]", "<|endoftext|>")
 EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[EOS]")
@@ -94,13 +94,17 @@ def load_tokenizer(cfg):
         if not os.path.isfile(path):
             raise ConfigError(f"{name} does not exist; point it at a SentencePiece .model or a Hugging Face "
                               f"tokenizer.json file, or set tokenizer_path=null for the byte-level tokenizer")
-        if path.endswith(".model"):
-            tokenizer = SentencePieceTokenizer(path)
-        elif path.endswith(".json"):
-            tokenizer = HuggingFaceTokenizer(path)
-        else:
+        if not path.endswith((".model", ".json")):
             raise ConfigError(f"{name}: unknown tokenizer format; use a SentencePiece .model, a Hugging Face "
                               f"tokenizer .json, or null for the byte-level tokenizer")
+        kind = SentencePieceTokenizer if path.endswith(".model") else HuggingFaceTokenizer
+        try:
+            tokenizer = kind(path)
+        except Exception as e:  # noqa: BLE001 - sentencepiece and tokenizers raise their own types, or OSError
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(f"{name} is not a {'SentencePiece' if kind is SentencePieceTokenizer else 'Hugging Face'}"
+                              f" tokenizer file ({_clip(reason, 160)}); point tokenizer_path at the model's "
+                              "tokenizer") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"vocab_size={cfg.vocab_size} is smaller than the {tokenizer.vocab_size} ids of {name}; "
                           f"set vocab_size >= {tokenizer.vocab_size}")
