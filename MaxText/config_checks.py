@@ -163,7 +163,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "wsd_decay_steps_fraction": (0.0, 1.0), "load_balance_loss_weight": (None, 100.0),
     "router_z_loss_weight": (None, 100.0), "mtp_loss_scaling_factor": (None, 100.0),
     "routed_bias_update_rate": (None, 1.0), "hbm_gib": (None, 1e5), "host_memory_limit_gb": (1, 1e5),
-    "rope_factor": (1e-6, None), "beta_fast": (1e-6, None), "beta_slow": (1e-6, None), "mscale": (1e-6, None),
+    "rope_factor": (1e-6, None), "beta_fast": (1e-6, None), "beta_slow": (1e-6, None), "mscale": (0.0, None),
     "original_max_position_embeddings": (1, None), "routed_scaling_factor": (1e-6, None),
     "grain_worker_count": (0, 1024), "grain_worker_count_eval": (0, 1024), "reuse_example_batch": (0, None),
 }

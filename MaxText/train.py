@@ -28,8 +28,8 @@ if __name__ == "__main__":  # from the first import on, SIGTERM (a scheduler's) 
             print(f"\n{_SECOND_SIGINT}", file=sys.stderr, flush=True)
             os._exit(130)
 
-    signal.signal(signal.SIGTERM, _early)
-    signal.signal(signal.SIGINT, _early)
+    signal.signal(signal.SIGINT, _early)  # SIGTERM last: Python catches SIGINT from its start, so a handler for
+    signal.signal(signal.SIGTERM, _early)  # SIGTERM is what tells another process that both are this one's
 
 from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
 from MaxText.config_checks import error_line
