@@ -16,7 +16,9 @@ error instead of starting afresh.
 Verified, not trusted: every step also saves <step>/checksums (JSON), one 32-bit checksum per array of the
 train state, computed on the devices from the arrays' bits (state_checksums). A restore recomputes them and
 treats any mismatch like an unreadable step, naming the array: bytes changed inside an array file used to
-restore silently as garbage (the data files are not compressed, so nothing else notices).
+restore silently as garbage (the data files are not compressed, so nothing else notices). A step without its
+checksums is treated the same way, unless Orbax's own metadata of the step (the items it saved) shows it was
+written before checksums existed: then it restores unverified, with a warning.
 
 Every wait is bounded: Orbax always saves in its background thread here (async_checkpointing=false then
 waits for the save before training goes on) with checkpoint_timeout_s as its deadline, and this module polls
@@ -28,11 +30,13 @@ writer threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
 import os
 import re
+import sys
 import time
 
 import orbax.checkpoint as ocp
@@ -241,12 +245,13 @@ class Checkpointer:
 
     def _failure(self, step: int, error: Exception) -> str:
         durable = [s for s in (self.manager.all_steps() if self.manager else []) if s != step]
-        return (f"saving checkpoint {self.directory}/{step} failed ({_describe(error)}); the newest "
+        return (f"saving checkpoint {self.directory}/{step} failed ({os_reason(error, self.path)}); the newest "
                 f"durable checkpoint is " + (f"{self.directory}/{max(durable)}" if durable else "none"))
 
     def restore(self, step: int, abstract_state):
         """(train state, saved input positions {"process_count", "positions"} or None) of a step, its arrays
-        verified against the step's checksums (steps saved before checksums existed restore unverified)."""
+        verified against the step's checksums (steps saved before checksums existed, as their Orbax metadata
+        shows, restore unverified with a warning; a step saved with checksums that are gone is not trusted)."""
         step_dir = self.path / str(step)
         if (step_dir / ITEM / "_METADATA").exists():
             refuse_upstream_state(step_dir / ITEM, f"the run's checkpoint {step_dir}")
@@ -255,6 +260,15 @@ class Checkpointer:
             manifest = self.manager.restore(  # mistake, not a damaged step
                 step, args=ocp.args.Composite(**{CHECKSUMS: ocp.args.JsonRestore()}))[CHECKSUMS]
             check_shapes(abstract_state, manifest, self.cfg, f"{self.directory}/{step}")
+        else:  # trusted unverified only when the step's own metadata shows it predates checksums
+            saved = _saved_items(step_dir)
+            if saved is None or CHECKSUMS in saved:
+                raise ValueError(f"its {CHECKSUMS}/ folder is missing, " + (
+                    "though Orbax's metadata of the step lists it" if saved else "and the step has no Orbax "
+                    "metadata (_CHECKPOINT_METADATA) to show it predates checksums") + ": its arrays cannot be "
+                    "verified")
+            self.log(f"warning: checkpoint {self.directory}/{step} was saved before checksums existed: its arrays "
+                     "are restored unverified")
         has_input = (step_dir / INPUT).is_dir()
         items = {ITEM: ocp.args.StandardRestore(abstract_state)}
         if has_input:
@@ -266,15 +280,20 @@ class Checkpointer:
             raise ValueError(f"its input position file ({INPUT}/) is malformed")
         return restored[ITEM], restored[INPUT] if has_input else None
 
-    def restore_latest(self, abstract_state, log):
+    def restore_latest(self, abstract_state, log, resume=None, fatal: tuple = ()):
         """(step, restore()) of the newest readable step, or None when there is no step. Unreadable newer steps are
-        reported and renamed aside (kept for inspection); none readable is an error, never a fresh start."""
+        reported and renamed aside (kept for inspection); none readable is an error, never a fresh start.
+        resume(step, restore()), when given, is part of reading a step (the input pipeline resumed at its saved
+        position): what it returns stands for restore(), and its failure sets the step aside the same way, but
+        for the exception types in fatal (a bad document, which an older step would meet again)."""
         steps = sorted(self.manager.all_steps(), reverse=True) if self.manager else []
         failures = []
         for step in steps:
             try:
                 restored = self.restore(step, abstract_state)
-            except ConfigError:
+                if resume is not None:
+                    restored = resume(step, restored)
+            except (ConfigError, *fatal):
                 raise  # the config does not match the run's checkpoints: no older step will either
             except Exception as e:  # noqa: BLE001 -- any failure to read a step is reported, then the next tried
                 failures.append((step, _describe(e)))
@@ -315,19 +334,81 @@ class Checkpointer:
                     self.manager.close()
 
 
+# The operating system's reasons, longest text first ("No space left on device" before "No space"...): what a
+# storage library's message (TensorStore's, gcsfs') carries of the OSError underneath it, in words.
+_STRERRORS = sorted(((os.strerror(code), name) for code, name in errno.errorcode.items()), key=lambda r: -len(r[0]))
+_QUOTED_PATH = re.compile(r'"((?:/|[a-z][a-z0-9+.-]*://)[^"]+)"')
+
+
+def os_reason(error: Exception, root) -> str:
+    """Why a save failed, in one short clause: the OS's reason in words and its errno name, and the path it was
+    writing, relative to root (the checkpoint directory) and shortened ("No space left on device (ENOSPC)
+    writing 6.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/ocdbt.process_0/d/1f...0a"). The reason is
+    found in an OSError or in the text of the storage library's error wrapping one (TensorStore names it at
+    the end of a message hundreds of characters long). Anything else: its type, and the head and tail of its
+    message."""
+    text = " ".join(str(error).split())
+    path = None
+    if isinstance(error, OSError) and error.errno in errno.errorcode:
+        reason, path = f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})", error.filename
+    else:  # the reason is looked for outside the quoted paths (a directory may be named anything)
+        bare = _QUOTED_PATH.sub(lambda m: " " * len(m.group(0)), text)
+        found = [(bare.find(words), words, name) for words, name in _STRERRORS if words in bare]
+        if not found:
+            return f"{type(error).__name__}: {_middle(text, 300)}" if text else type(error).__name__
+        at, words, name = min(found, key=lambda f: (f[0], -len(f[1])))
+        reason = f"{words} ({name})"
+        paths = [m.group(1) for m in _QUOTED_PATH.finditer(text, 0, at)]
+        path = paths[-1] if paths else None
+    if not path:
+        return reason
+    path, root = str(path), str(root).rstrip("/") + "/"
+    return f"{reason} writing {_middle(path[len(root):] if path.startswith(root) else path, 120)}"
+
+
+def _middle(text: str, limit: int) -> str:
+    """text, or its head and tail around "..." when longer than limit: a path's or a message's end says most."""
+    return text if len(text) <= limit else f"{text[:limit // 2 - 2]}...{text[-(limit - limit // 2 - 1):]}"
+
+
 class _DropOrbaxTracebacks:
-    """A logging filter: Orbax's logged tracebacks of a failed save or restore (this module reports each failure
-    in one line instead)."""
+    """A logging filter: the logged tracebacks of a failed save or restore, Orbax's own and asyncio's "Task
+    exception was never retrieved" for the writes still running in Orbax's event loop when one failed (this
+    module reports each failure in one line instead)."""
 
     def filter(self, record) -> bool:
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if not record.exc_info:
+            return True
+        tb = record.exc_info[2]
+        files = [record.pathname]
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        return not any(f"{os.sep}orbax{os.sep}" in f for f in files)
 
 
 @functools.cache
 def _quiet_orbax_failures() -> None:
     import logging
 
-    logging.getLogger("absl").addFilter(_DropOrbaxTracebacks())
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_DropOrbaxTracebacks())
+    previous = sys.unraisablehook
+
+    def unraisable(info):
+        """Drops what TensorStore's callbacks raise for the writes still running when one failed and Orbax
+        closed its event loop (one traceback each, dozens of them, around the one-line error)."""
+        late = info.exc_type is RuntimeError and str(info.exc_value) == "Event loop is closed"
+        if not (late and info.exc_traceback and _innermost(info.exc_traceback).co_name == "_check_closed"):
+            previous(info)
+
+    sys.unraisablehook = unraisable
+
+
+def _innermost(tb):
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code
 
 
 def _gather_json(obj) -> list:
@@ -344,6 +425,16 @@ def _gather_json(obj) -> list:
     padded = np.frombuffer(data.ljust(int(np.max(sizes))), np.uint8)
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[:int(size)]).decode()) for row, size in zip(rows, np.ravel(sizes))]
+
+
+def _saved_items(step_dir: epath.Path) -> list[str] | None:
+    """The item names Orbax recorded for a step when it saved it (its _CHECKPOINT_METADATA, written in the same
+    commit), or None when that is missing or unreadable."""
+    try:
+        handlers = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text()).get("item_handlers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sorted(handlers) if isinstance(handlers, dict) else None
 
 
 def _well_formed_input(saved) -> bool:

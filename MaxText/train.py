@@ -108,22 +108,59 @@ def input_position(saved, step: int, log):
     return saved["positions"][jax.process_index()]
 
 
-def initial_state(cfg, mesh, spec, checkpointer, log):
-    """(state, input position) from this run's newest readable checkpoint, else load_full_state_path (with its
-    input position when saved beside it) or load_parameters_path (input from its beginning), else a fresh
-    init."""
+class _Resumed:
+    """An input stream resumed at a checkpoint's position, its first batch already read (a position the
+    pipeline cannot resume from fails while the checkpoint is restored, not at the first step); state() is the
+    position before that batch until it is taken."""
+
+    def __init__(self, data):
+        self.data, self.began = data, data.state()
+        self.first = next(data)
+
+    def __next__(self):
+        if self.first is None:
+            return next(self.data)
+        batch, self.first = self.first, None
+        return batch
+
+    def state(self):
+        return self.began if self.first is not None else self.data.state()
+
+
+def initial_state(cfg, mesh, spec, checkpointer, log, make_input):
+    """(state, input stream) from this run's newest readable checkpoint whose input position the pipeline can
+    resume, else load_full_state_path (with its input position when saved beside it) or load_parameters_path
+    (input from its beginning), else a fresh init. make_input(position) makes the stream (position None: from
+    its beginning)."""
     from MaxText import checkpointing
     from MaxText.state import create_state
+    from MaxText.storage import describe
 
-    latest = checkpointer.restore_latest(spec.abstract, log)
+    def resumed(step, restored):
+        state, saved_input = restored
+        position = input_position(saved_input, step, log)
+        try:
+            return state, (_Resumed(make_input(position)) if position is not None else make_input(None))
+        except (ConfigError, DataError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the pipeline makes of a position it could not have saved
+            raise ValueError(f"its input position cannot be resumed: {describe(e)}") from None
+
+    latest = checkpointer.restore_latest(spec.abstract, log, resume=resumed, fatal=(DataError,))
     if latest is not None:
-        step, (state, saved_input) = latest
+        step, (state, data) = latest
         log(f"resuming from {checkpointer.directory}/{step}")
-        return state, input_position(saved_input, step, log)
+        return state, data
     if cfg.load_full_state_path:
         log(f"loading the full state from {cfg.load_full_state_path}")
         state, saved_input = checkpointing.load_full_state(cfg.load_full_state_path, spec.abstract, cfg)
-        return state, input_position(saved_input, int(state["step"]), log)
+        try:
+            return resumed(int(state["step"]), (state, saved_input))
+        except DataError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"load_full_state_path={cfg.load_full_state_path}: {e}; give a checkpoint this "
+                              "input pipeline wrote") from None
     state = create_state(cfg, mesh, spec)
     if cfg.load_parameters_path:
         params, bias = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg,
@@ -135,7 +172,7 @@ def initial_state(cfg, mesh, spec, checkpointer, log):
             + f" of {cfg.load_parameters_path} (step 0"
             + ("; the checkpoint holds no routing bias: it starts at zero" if "nnx_aux" in spec.abstract
                and bias is None else "") + ")")
-    return state, None
+    return state, make_input(None)
 
 
 class _Repeat:
@@ -271,14 +308,14 @@ def _train(cfg, log, devices, stop) -> dict | None:
         # Each durable checkpoint: a remote run's metrics up to it are in the bucket too.
         checkpointer = Checkpointer(cfg, checkpoint_dir, log, on_durable=lambda _: outputs.sync(force=True))
         cleanup.callback(checkpointer.close)  # also when set-up fails: Orbax's threads must not outlive it
-        state, position = initial_state(cfg, mesh, spec, checkpointer, log)
+        state, data = initial_state(cfg, mesh, spec, checkpointer, log, lambda position: make_data(
+            cfg, global_batch, jax.process_index(), jax.process_count(), state=position))
         if stop.before_first_step(log):  # a restore can take minutes
             return None
         start = int(jax.device_get(state["step"]))
         if start >= cfg.steps:
             log(f"run {cfg.run_name} is already at step {start} (steps={cfg.steps}); nothing to do")
             return None
-        data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), state=position)
         if cfg.reuse_example_batch:  # MaxText's benchmark mode: the first batch, every step
             data = _Repeat(data)
         batch_sharding = sharding.batch_sharding(mesh)

@@ -70,6 +70,14 @@ def test_an_id_outside_the_vocabulary_mid_run_stops_in_one_line_after_a_checkpoi
     assert sorted(os.listdir(tmp_path / "oov" / "checkpoints")) == ["3"]
     assert [r["step"] for r in metrics(tmp_path, "oov")] == [1, 2, 3]
 
+    # Rerun on the same data: the resume reads that batch first and stops on it the same way, before any step; the
+    # checkpoint is not taken for damaged (an older one would meet the same document) and nothing is lost.
+    code, again, err = run(grain_args(tmp_path, path, "oov", "steps=8"), capsys)
+    assert code == 2 and len(again) == 1 and "Traceback" not in err, err[-2000:]
+    assert again[0].startswith(line[:line.index("; stopped after")]) and "warning: checkpoint" not in err, again
+    assert sorted(os.listdir(tmp_path / "oov" / "checkpoints")) == ["3"]
+    assert [r["step"] for r in metrics(tmp_path, "oov")] == [1, 2, 3]
+
     grain_file(path)  # the record fixed: the run resumes at step 3 and reads on from the batch it gave up
     assert main(grain_args(tmp_path, path, "oov", "steps=6")) == 0
     capsys.readouterr()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,6 +169,47 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, six_st
     code = main(tiny_args(args, ["steps=8"]))
     assert code == 2, "every checkpoint unreadable must stop the run, not start it afresh"
     assert not (run_dir / "checkpoints" / "8").exists()
+
+
+@pytest.mark.parametrize("metadata", ["lists checksums", "missing", "predates checksums"])
+def test_a_step_without_its_checksums_is_trusted_only_when_it_predates_them(tmp_path, six_steps, metadata):
+    """Step 6's checksums/ folder removed: a step whose Orbax metadata lists that item (this version wrote it), or
+    that has no metadata to say otherwise, is set aside like a damaged one and step 4 restored (it used to be
+    trusted like a step from before checksums existed, and a damaged array in it loaded). Only a step whose
+    metadata shows it was saved without checksums (an earlier version's) restores, unverified, with a warning."""
+    import shutil
+
+    source, _, args = six_steps
+    run_dir = tmp_path / "six"
+    shutil.copytree(source, run_dir)
+    step_dir = run_dir / "checkpoints" / "6"
+    shutil.rmtree(step_dir / "checksums")
+    meta = step_dir / "_CHECKPOINT_METADATA"
+    assert "checksums" in json.loads(meta.read_text())["item_handlers"]
+    if metadata == "missing":
+        meta.unlink()
+    elif metadata == "predates checksums":
+        old = json.loads(meta.read_text())
+        del old["item_handlers"]["checksums"]
+        meta.write_text(json.dumps(old))
+    cfg = load_config(tiny_args(args, [f"base_output_directory={tmp_path}"]))
+    spec = state_spec(cfg, __import__("MaxText.sharding").sharding.create_mesh(cfg, jax.devices()))
+    lines = []
+    ckpt = checkpointing.Checkpointer(cfg, str(run_dir / "checkpoints"), log=lines.append)
+    try:
+        step, _ = ckpt.restore_latest(spec.abstract, lines.append)
+    finally:
+        ckpt.close()
+    if metadata == "predates checksums":
+        assert step == 6 and lines == [f"warning: checkpoint {run_dir}/checkpoints/6 was saved before checksums "
+                                       "existed: its arrays are restored unverified"], lines
+        return
+    reason = ("though Orbax's metadata of the step lists it" if metadata == "lists checksums" else
+              "and the step has no Orbax metadata (_CHECKPOINT_METADATA) to show it predates checksums")
+    assert step == 4, lines
+    assert lines[0] == (f"warning: checkpoint {run_dir}/checkpoints/6 cannot be restored (ValueError: its checksums/ "
+                        f"folder is missing, {reason}: its arrays cannot be verified); trying the previous one"), lines
+    assert any(name.startswith("6.unreadable-") for name in os.listdir(run_dir / "checkpoints"))
 
 
 def _run_until(args, env, done, timeout=180):
@@ -348,8 +390,118 @@ def test_a_failed_async_save_is_one_line_as_soon_as_it_is_known(tmp_path):
     checkpointer.manager, checkpointer.pending = FailedSave(), (6, time.monotonic())
     with pytest.raises(CheckpointError) as e:
         checkpointer.poll()
-    assert str(e.value) == (f"saving checkpoint {tmp_path}/fail/checkpoints/6 failed (OSError: [Errno 28] No space "
-                            f"left on device); the newest durable checkpoint is {tmp_path}/fail/checkpoints/4")
+    assert str(e.value) == (f"saving checkpoint {tmp_path}/fail/checkpoints/6 failed (No space left on device "
+                            f"(ENOSPC)); the newest durable checkpoint is {tmp_path}/fail/checkpoints/4")
+
+
+# What TensorStore raises when a checkpoint's disk fills: the OS's reason at the end of 400 characters.
+_TENSORSTORE_ENOSPC = (
+    'RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.nu.moe_layers.layers.moe.gate/0.0.0" in OCDBT database at '
+    'local file "{root}/6.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: '
+    '"{root}/6.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/ocdbt.process_0/d/4d63a25a5b91eb1856622bae9e2e6938":'
+    ' Failed to write 27172 bytes to file 6: No space left on device [source locations=\'tensorstore/internal/os/'
+    'file_util_posix.cc:424\nkvstore/file/file_key_value_store.cc:380\']')
+
+
+@pytest.mark.parametrize("error,reason", [
+    (ValueError(_TENSORSTORE_ENOSPC.format(root="/runs/r/checkpoints")),
+     "No space left on device (ENOSPC) writing 6.orbax-checkpoint-tmp/items.orbax-checkpoint-tmp/ocdbt.process_0/d/"
+     "4d63a25a5b91eb1856622bae9e2e6938"),
+    (ValueError('PERMISSION_DENIED: Error opening file "/runs/r/checkpoints/6/checksums/metadata": Permission denied '
+                '[source locations=...]'), "Permission denied (EACCES) writing 6/checksums/metadata"),
+    (OSError(30, "Read-only file system", "/runs/r/checkpoints/6.orbax-checkpoint-tmp"),
+     "Read-only file system (EROFS) writing 6.orbax-checkpoint-tmp"),
+    (OSError(5, "Input/output error"), "Input/output error (EIO)"),
+    (ValueError('Error writing "/mnt/Permission denied/x' + "y" * 500 + '": Disk quota exceeded'),
+     "Disk quota exceeded (EDQUOT) writing /mnt/Permission denied/x" + "y" * 34 + "..." + "y" * 59),
+    (RuntimeError("UNKNOWN: " + "x" * 1000 + " the end"), "RuntimeError: UNKNOWN: " + "x" * 139 + "..." + "x" * 141
+     + " the end"),
+], ids=["tensorstore-ENOSPC", "tensorstore-EACCES", "EROFS", "EIO", "path-named-like-a-reason", "not-an-OS-error"])
+def test_a_failed_saves_reason_is_the_os_error_in_words_with_a_short_path(error, reason):
+    """The storage library's message is hundreds of characters of paths with the OS's reason at its end (which a
+    cut at a fixed length lost): the reason is named in words with its errno name, and the path it was writing
+    relative to the checkpoint directory, at most 120 characters; words inside a quoted path are not taken for
+    the reason; anything else keeps its type and both ends of its message."""
+    assert checkpointing.os_reason(error, "/runs/r/checkpoints") == reason
+
+
+def _full_disk(path):
+    """A 3 MB tmpfs mounted at path (root only, where mounting is allowed), else a skip."""
+    import shutil
+
+    path.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount") or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("needs root and mount (a real 1 MiB filesystem to fill)")
+    return path
+
+
+def test_a_real_disk_that_fills_during_a_save_is_one_line_naming_enospc(tmp_path, capfd):
+    """A real filesystem that fills during a save (3 MB holds one or two steps of the tiny model on 8 devices, 1.2
+    to 1.9 MB each): exit 1, one error line naming the OS's reason in words, the file and the newest durable step
+    (the saves before are kept), and none of the dozens of tracebacks Orbax and TensorStore print around a failed
+    write (asyncio's 'Task exception was never retrieved', 'Event loop is closed' for each write still running)."""
+    disk = _full_disk(tmp_path / "disk")
+    try:
+        code = main(tiny_args(TINY, [f"base_output_directory={disk}", "run_name=full", "steps=12",
+                                     "checkpoint_period=2", "learning_rate_schedule_steps=12"]))
+        out, err = capfd.readouterr()
+        saved = sorted(os.listdir(disk / "full" / "checkpoints"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert code == 1, err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert len(lines) == 1 and "Traceback" not in err and "never retrieved" not in err, err[-3000:]
+    failed = re.fullmatch(rf"error: saving checkpoint {disk}/full/checkpoints/(\d+) failed \(No space left on device "
+                          r"\(ENOSPC\) writing \1\.orbax-checkpoint-tmp/\S+\); the newest durable checkpoint is "
+                          rf"{disk}/full/checkpoints/(\d+)", lines[0])
+    assert failed, lines[0]
+    durable = sorted(int(name) for name in saved if name.isdigit())
+    assert durable and max(durable) == int(failed[2]) < int(failed[1]), (saved, lines[0])
+
+
+def test_a_failed_background_save_stops_the_run_within_one_step_of_orbax_knowing(tmp_path, monkeypatch):
+    """The bound the README states: a background save that fails (here Orbax's commit of step 4 raises EIO after
+    0.3 s, while training goes on) stops the run at most one step after Orbax's writer thread has ended with the
+    error, however many steps ran during the save."""
+    from orbax.checkpoint.checkpoint_manager import CheckpointManager
+
+    from MaxText.checkpointing import CheckpointError
+    from MaxText.profiler import Profiler
+
+    begun, known = [], []
+    before_step = Profiler.before_step
+
+    def slower_step(self, step):  # 50 ms a step: the failing save spans several
+        begun.append(step)
+        time.sleep(0.05)
+        before_step(self, step)
+
+    wait, finalize = CheckpointManager._wait_for_checkpointers, CheckpointManager._finalize
+
+    def failing_commit(self):
+        wait(self)
+        if not known:  # the first save: step 4
+            time.sleep(0.3)
+            raise OSError(5, "Input/output error", str(self.directory / "4.orbax-checkpoint-tmp" / "items"))
+
+    def finalized(self, step, steps_to_remove):
+        try:
+            finalize(self, step, steps_to_remove)
+        finally:  # the writer thread ends here: Orbax now reports the save as no longer in progress
+            known.append(begun[-1])
+
+    monkeypatch.setattr(Profiler, "before_step", slower_step)
+    monkeypatch.setattr(CheckpointManager, "_wait_for_checkpointers", failing_commit)
+    monkeypatch.setattr(CheckpointManager, "_finalize", finalized)
+    cfg = load_config(tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=bound", "steps=60",
+                                       "checkpoint_period=4", "learning_rate_schedule_steps=60"]))
+    with pytest.raises(CheckpointError) as e:
+        train(cfg, log=lambda *_: None)
+    assert str(e.value) == (f"saving checkpoint {tmp_path}/bound/checkpoints/4 failed (Input/output error (EIO) "
+                            "writing 4.orbax-checkpoint-tmp/items); the newest durable checkpoint is none")
+    assert known and known[0] >= 5, (known, begun)  # steps went on while the save ran
+    assert begun[-1] <= known[0] + 1, (known, begun)
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_parameter(tmp_path, capsys):
@@ -384,6 +536,55 @@ def test_a_malformed_input_position_file_falls_back_like_an_unreadable_step(tmp_
     warning = next((line for line in lines if line.startswith("warning: checkpoint")), lines)
     assert "input position file (input/) is malformed" in warning, warning
     assert any(line.startswith("resuming from") and line.endswith("checkpoints/1") for line in lines), lines
+
+
+@pytest.mark.parametrize("pipeline,position,reason", [
+    ("synthetic", {"batches": -3}, "batches=-3"),
+    ("grain", {"epoch": 0, "document": 4, "offset": 10 ** 6}, "offset=1000000 lies past the end of"),
+    ("grain", {"epoch": 0, "document": 4}, "offset=None"),
+], ids=["negative-batches", "offset-past-the-document", "no-offset"])
+def test_an_impossible_input_position_falls_back_to_the_previous_step(tmp_path, pipeline, position, reason):
+    """An input position that is well-formed JSON but one the pipeline could not have written (it used to restore
+    and then crash in the pipeline on every rerun): the step is set aside with a warning naming the value, the
+    previous one restored, and the run goes on from there exactly as the first run did."""
+    from tests.corpora import example_bytes, write_array_record
+
+    extra = []
+    if pipeline == "grain":
+        path = str(tmp_path / "ids.array_record")
+        write_array_record(path, [example_bytes([(5 * i + j) % 60 + 3 for j in range(7)], "ids") for i in range(40)])
+        extra = ["dataset_type=grain", f"grain_train_files={path}", "train_data_columns=[ids]", "grain_worker_count=0",
+                 "vocab_size=320"]  # the byte-level tokenizer's BOS and EOS are ids 256 and up
+    argv = tiny_args(TINY, extra, [f"base_output_directory={tmp_path}", "run_name=pos", "steps=2", "log_period=1",
+                                   "checkpoint_period=1", "async_checkpointing=false"])
+    first = train_records(load_config(argv))
+    saved = tmp_path / "pos" / "checkpoints" / "2" / "input" / "metadata"
+    keys = {"batches"} if pipeline == "synthetic" else {"epoch", "document", "offset"}
+    assert json.loads(saved.read_text())["positions"][0].keys() == keys, saved.read_text()  # what is replaced
+    saved.write_text(json.dumps({"process_count": 1, "positions": [position]}))
+    lines = []
+    again = train_records(load_config(argv), log=lines.append)
+    warning = next((line for line in lines if line.startswith("warning: checkpoint")), lines)
+    assert "checkpoints/2 cannot be restored (ValueError: its input position cannot be resumed" in warning, warning
+    assert reason in warning, warning
+    assert any(line.startswith("resuming from") and line.endswith("checkpoints/1") for line in lines), lines
+    assert [name.split(".")[0] for name in sorted(os.listdir(tmp_path / "pos" / "checkpoints"))] == ["1", "2", "2"]
+    assert [r["step"] for r in again] == [2]
+    np.testing.assert_allclose(losses(again), losses(first[1:]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("position,reason", [
+    ({"batches": "2"}, "batches='2'"), ({"batches": True}, "batches=True"), ({"batches": 2.0}, "batches=2.0"),
+    ({"batch": 2}, "batches=None"), (["batches", 2], "not a mapping")])
+def test_a_position_the_pipeline_could_not_have_written_is_refused_when_resumed(position, reason):
+    """The pipeline's own check of a saved position (what the fallback above rests on): a string, a bool or a float
+    for a count, a missing key, a list: ValueError naming the value and what it needs, before any batch is made."""
+    from MaxText.data import make_data
+    from tests.tiny import tiny_config
+
+    with pytest.raises(ValueError) as e:
+        make_data(tiny_config(), 16, state=position)
+    assert reason in str(e.value) and "cannot be resumed by dataset_type=synthetic" in str(e.value), str(e.value)
 
 
 def test_metrics_are_never_written_through_a_symlink(tmp_path, capsys):

@@ -155,7 +155,7 @@ def test_load_parameters_path_restores_the_routing_bias(tmp_path):
     spec = state_spec(cfg, mesh)
     lines = []
     checkpointer = Checkpointer(cfg, f"{tmp_path}/target/checkpoints", lines.append)
-    state, _ = initial_state(cfg, mesh, spec, checkpointer, lines.append)
+    state, _ = initial_state(cfg, mesh, spec, checkpointer, lines.append, lambda position: None)
     checkpointer.close()
     saved, _ = load_full_state(item, spec.abstract)
     leaves = jax.tree.leaves(saved["nnx_aux"])

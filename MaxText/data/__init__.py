@@ -15,6 +15,20 @@ class DataError(ValueError):
     line, exit status 2, after checkpointing the last completed step."""
 
 
+def resume_position(state, keys: tuple[str, ...], pipeline: str) -> dict[str, int]:
+    """A saved input position `state` as {key: int} for the pipeline's keys, each a whole number of at least
+    0; else ValueError saying why it cannot be resumed (a checkpoint's position well-formed as JSON but not one
+    the pipeline could have written: the trainer then restores the checkpoint before it)."""
+    from MaxText.config_checks import shown
+
+    bad = (not isinstance(state, dict) and "not a mapping") or next(
+        (f"{k}={shown(state.get(k))}" for k in keys if type(state.get(k)) is not int or state[k] < 0), None)
+    if bad:
+        raise ValueError(f"the input position {shown(state)} cannot be resumed by {pipeline} ({bad}: it needs "
+                         f"{', '.join(keys)}, each a whole number of at least 0)")
+    return {k: state[k] for k in keys}
+
+
 # The arrays of every pipeline's batch, each [rows, L] int32 (the first four in the order packing fills them).
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 

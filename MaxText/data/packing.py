@@ -39,7 +39,7 @@ import abc
 
 import numpy as np
 
-from MaxText.data import BATCH_KEYS, DataError
+from MaxText.data import BATCH_KEYS, DataError, resume_position
 from MaxText.config_checks import _clip
 from MaxText.data.tokenizer import load_tokenizer
 
@@ -67,8 +67,9 @@ class PackedDocuments(abc.ABC):
         self.vocab_size = cfg.vocab_size
         self.bos = [self.tokenizer.bos_id] if cfg.add_bos else []
         self.eos = [self.tokenizer.eos_id] if cfg.add_eos else []
-        state = state or {"epoch": 0, "document": 0, "offset": 0}
-        self.epoch, self.document, self.offset = int(state["epoch"]), int(state["document"]), int(state["offset"])
+        state = resume_position(state, ("epoch", "document", "offset"), f"dataset_type={cfg.dataset_type}") \
+            if state else {"epoch": 0, "document": 0, "offset": 0}
+        self.epoch, self.document, self.offset = state["epoch"], state["document"], state["offset"]
         self.pairs = None  # (inputs, targets) of document self.document once read
         self.records = None  # this epoch's records, positioned after self.document (or at it while pairs is None)
         self.opened_at, self.found_in_epoch, self.exhausted = 0, False, False
@@ -128,6 +129,9 @@ class PackedDocuments(abc.ABC):
         filled, segment = 0, 0
         while filled < self.length and (pairs := self.current_pairs()) is not None:
             n = min(self.length - filled, len(pairs[0]) - self.offset)
+            if n <= 0:  # only a resumed position can point past its document's end
+                raise ValueError(f"the input position offset={self.offset} lies past the end of {self.where()} "
+                                 f"({len(pairs[0])} tokens)")
             segment += 1
             inputs_L[filled:filled + n] = pairs[0][self.offset:self.offset + n]
             targets_L[filled:filled + n] = pairs[1][self.offset:self.offset + n]

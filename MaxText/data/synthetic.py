@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from MaxText.data import resume_position
+
 FOLLOW_PROBABILITY = 0.8
 
 
@@ -22,7 +24,7 @@ class SyntheticData:
                  split: str = "train", state: dict | None = None):
         self.vocab, self.length, self.seed = cfg.vocab_size, cfg.max_target_length, cfg.data_shuffle_seed
         self.stream = 0 if split == "train" else 1
-        self.next_index = state["batches"] if state else 0
+        self.next_index = resume_position(state, ("batches",), "dataset_type=synthetic")["batches"] if state else 0
         self.global_batch = global_batch
         rows = global_batch // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
