@@ -112,28 +112,29 @@ def _parse_yaml(path: str, text: str) -> Any:
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
+    shown = _clip(path, 200)  # the reason after it must survive error_line's bound
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {shown} does not exist")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        raise ConfigError(f"config file {shown} cannot be read: {e.strerror or e}") from None
     try:
         text = raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text: byte {e.start} is 0x{raw[e.start]:02x}; save it "
+        raise ConfigError(f"config file {shown} is not UTF-8 text: byte {e.start} is 0x{raw[e.start]:02x}; save it "
                           "as UTF-8") from None
     try:
         data = copy.deepcopy(_parse_yaml(path, text))  # callers edit what they get (base_config is popped)
     except _DuplicateKey as e:
-        raise ConfigError(f"config file {path}: {_clip(str(e), 200)}; keep one") from None
+        raise ConfigError(f"config file {shown}: {_clip(str(e), 200)}; keep one") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {_clip(str(e).splitlines()[0], 200)}") from None
+        raise ConfigError(f"config file {shown} is not valid YAML: {_clip(str(e).splitlines()[0], 200)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of key: value, not {type(data).__name__}")
+        raise ConfigError(f"config file {shown} must hold a mapping of key: value, not {type(data).__name__}")
     return data
 
 
@@ -145,7 +146,7 @@ def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
     while path is not None:
         path = os.path.abspath(path)
         if path in seen:
-            raise ConfigError(f"base_config in {path} forms a cycle")
+            raise ConfigError(f"base_config in {_clip(path, 200)} forms a cycle")
         seen.add(path)
         values = _read_yaml(path)
         parent = values.pop("base_config", None)
@@ -154,7 +155,8 @@ def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
             beside = os.path.join(os.path.dirname(path), str(parent))
             parent = beside if os.path.isfile(beside) else os.path.join(CONFIG_DIR, str(parent))
             if not os.path.isfile(parent):
-                raise ConfigError(f"base_config: {beside} (named in {path}) does not exist, nor does {parent}")
+                raise ConfigError(f"base_config: {_clip(beside, 200)} (named in {_clip(path, 200)}) does not exist, "
+                                  f"nor does {_clip(parent, 200)}")
         path = parent
     return chain[::-1]
 

@@ -315,9 +315,14 @@ ERROR_LINE_LIMIT = 1000
 
 
 def error_line(error: BaseException | str) -> str:
-    """What follows `error: ` on stderr: the message on one line, at most ERROR_LINE_LIMIT characters whatever a
-    value in it held."""
-    return _clip(" ".join(str(error).split()), ERROR_LINE_LIMIT) or type(error).__name__
+    """What follows `error: ` on stderr: the message on one line, the line (with `error: `) at most
+    ERROR_LINE_LIMIT characters whatever a value in it held."""
+    text = " ".join(str(error).split())
+    room = ERROR_LINE_LIMIT - len("error: ")  # the whole line, prefix and size included, within the limit
+    if len(text) > room:
+        suffix = f"... ({len(text)} characters)"
+        text = text[:room - len(suffix)] + suffix
+    return text or type(error).__name__
 
 
 def check_checkpoint_sources(cfg) -> None:

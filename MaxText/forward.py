@@ -21,22 +21,29 @@ import sys
 import numpy as np
 
 from MaxText.config import ConfigError, load_config
+from MaxText.config_checks import error_line
+from MaxText.storage import check_output, shown_path
 
 
-def read_tokens(path: str, vocab_size: int) -> np.ndarray:
-    """int32 [B, L] from an .npy file; one-line ConfigError for anything else."""
+def read_tokens(path: str, vocab_size: int, key: str = "--tokens ") -> np.ndarray:
+    """int32 [B, L] from an .npy file; one-line ConfigError (naming `key` and the path) for anything else."""
+    where = f"{key}{shown_path(path)}"
     try:
         tokens = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        reason = str(e).splitlines()[0][:200]
-        raise ConfigError(f"--tokens {path}: cannot read it as an .npy array ({reason})") from None
+    except OSError as e:  # the file's own error, without its name (which may be long)
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or type(e).__name__})") from None
+    except (ValueError, EOFError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"{where}: cannot read it as an .npy array ({reason})") from None
+    if not isinstance(tokens, np.ndarray):  # an .npz archive
+        raise ConfigError(f"{where}: an .npz archive, not an .npy array; save the rows with np.save")
     if tokens.ndim == 1:
         tokens = tokens[None, :]
     if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ConfigError(f"--tokens {path}: need a non-empty integer array [B, L], got {tokens.dtype} "
+        raise ConfigError(f"{where}: need a non-empty integer array [B, L], got {tokens.dtype} "
                           f"{list(tokens.shape)}")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise ConfigError(f"--tokens {path}: ids must be in [0, vocab_size={vocab_size}), got {tokens.min()} .. "
+        raise ConfigError(f"{where}: ids must be in [0, vocab_size={vocab_size}), got {tokens.min()} .. "
                           f"{tokens.max()}")
     return tokens.astype(np.int32)
 
@@ -99,6 +106,9 @@ def main(argv=None) -> int:
             raise ConfigError("give exactly one of --tokens <rows.npy> and --text <text>")
         if args.logits_out and args.tokens is None:
             raise ConfigError("--logits_out needs --tokens")
+        if args.logits_out:  # before any work; np.save adds .npy to a name without it
+            logits_out = args.logits_out if args.logits_out.endswith(".npy") else args.logits_out + ".npy"
+            check_output("--logits_out", logits_out, file=True)
         cfg = load_config(rest)
         if args.text is not None:
             from MaxText.data.tokenizer import load_tokenizer
@@ -115,7 +125,7 @@ def main(argv=None) -> int:
         run = model_and_params(cfg)
         logits = run(tokens)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     if args.logits_out:
         np.save(args.logits_out, logits)

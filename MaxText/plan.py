@@ -33,12 +33,14 @@ from jax.sharding import AbstractMesh, AxisType
 from MaxText import sharding
 from MaxText.config import (REMAT_TENSOR_NAMES, ConfigError, cli_arguments, global_batch_size, layer_counts,
                             load_config)
+from MaxText.config_checks import error_line
 from MaxText.layers.attention_cudnn import max_segments
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity
 from MaxText.layers.moe.te_dropless import aligned_buffer_rows
 from MaxText.metrics import model_flops_per_token
 from MaxText.state import state_spec
+from MaxText.storage import shown_path
 from MaxText import steptime
 
 GIB = 2.0 ** 30
@@ -429,10 +431,11 @@ def read_collectives(path: str) -> list[dict]:
         with open(path) as f:
             text = f.read().strip().splitlines()
         by_group = json.loads(text[-1])["collectives"]["by_group"]
-    except (OSError, IndexError, ValueError, KeyError, TypeError) as e:
-        reason = (str(e).splitlines() or [""])[0]
-        raise ConfigError(f"--collectives={path}: not the JSON of `python -m MaxText.lowering <config> > FILE` "
-                          f"with collectives counted ({type(e).__name__}: {reason})") from None
+    except (OSError, IndexError, ValueError, KeyError, TypeError, RecursionError) as e:
+        # an OSError's own text repeats the file's name (which may be long): its strerror alone
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        raise ConfigError(f"--collectives={shown_path(path)}: not the JSON of `python -m MaxText.lowering <config> > "
+                          f"FILE` with collectives counted ({type(e).__name__}: {reason})") from None
     return by_group
 
 
@@ -513,7 +516,7 @@ def main(argv=None) -> int:
         cfg = load_config([a for a in argv if a not in given])
         result = plan(cfg, collectives=read_collectives(given[-1].split("=", 1)[1]) if given else None)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if as_json else format_table(result))
     return 0

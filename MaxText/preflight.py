@@ -36,6 +36,8 @@ import sys
 from typing import NamedTuple
 
 from MaxText.config import HOST_POOL_ENV, XLA_DEFAULT_HOST_POOL_GB, ConfigError, cli_arguments, load_config
+from MaxText.config_checks import error_line
+from MaxText.storage import shown_path
 from MaxText.hardware import GPU_PROFILES, GpuProfile, simulated_devices
 
 GIB = 1 << 30
@@ -260,18 +262,20 @@ def main(argv=None) -> int:
     tasks = None
     if "--tasks-per-node" in argv:
         i = argv.index("--tasks-per-node")
-        try:
-            tasks = int(argv[i + 1])
-        except (IndexError, ValueError):
-            print("error: --tasks-per-node needs a number", file=sys.stderr)
+        given = argv[i + 1] if i + 1 < len(argv) else None
+        if given is None or not (given.isascii() and given.isdigit()) or len(given) > 6 or int(given) < 1:
+            got = "nothing" if given is None else shown_path(given) or "an empty value"
+            print(f"error: --tasks-per-node needs a whole number of processes per node (1 to 999999), got {got}",
+                  file=sys.stderr)
             return 2
+        tasks = int(given)
         del argv[i:i + 2]
     elif os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
         tasks = int(os.environ["SLURM_NTASKS_PER_NODE"])
     try:
         result = preflight(argv, tasks, lower=lower)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, default=str) if as_json else format_table(result))
     return 0 if result["ok"] else 1

@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 from MaxText import storage
+from MaxText.config_checks import ConfigError, error_line
 
 MATPLOTLIB_PIN = "matplotlib==3.11.2"
 
@@ -42,29 +43,38 @@ def read_records(path: str) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) of a metrics.jsonl, each sorted by step with one record per step: the
     last one in the file (a resumed run logs the steps it redoes again). Train records hold "loss", eval
     records "eval_loss"; other lines are ignored."""
+    shown = storage.shown_path(path)
     if not storage.path(path).is_file():
-        raise ReportError(f"{path} does not exist; is this a run directory written by MaxText.train?")
+        what = "is a directory, not a file" if storage.path(path).is_dir() else "does not exist"
+        raise ReportError(f"{shown} {what}; is this a run directory written by MaxText.train?")
     train, evals, lines = {}, {}, 0
-    with storage.path(path).open() as f:
-        for number, line in enumerate(f, start=1):
+    with storage.path(path).open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ReportError(f"{shown}, line {number}: not UTF-8 text (byte {e.start + 1} is "
+                                  f"0x{raw[e.start]:02x}); the file is damaged") from None
             if not line.strip():
                 continue
             lines += 1
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ReportError(f"{path}, line {number}: not JSON ({e.msg} at column {e.colno})") from None
+                raise ReportError(f"{shown}, line {number}: not JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise ReportError(f"{shown}, line {number}: not a metrics record (nested too deep)") from None
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ReportError(f"{path}, line {number}: not a metrics record (a JSON object with an integer "
+                raise ReportError(f"{shown}, line {number}: not a metrics record (a JSON object with an integer "
                                   "\"step\")")
             if "eval_loss" in record:
                 evals[record["step"]] = record
             elif "loss" in record:
                 train[record["step"]] = record
     if not lines:
-        raise ReportError(f"{path} is empty: the run has not logged a step yet")
+        raise ReportError(f"{shown} is empty: the run has not logged a step yet")
     if not train and not evals:
-        raise ReportError(f"{path} holds no train or eval records")
+        raise ReportError(f"{shown} holds no train or eval records")
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
@@ -305,7 +315,7 @@ def read_run_config(path: str) -> dict | None:
     try:
         data = yaml.safe_load(storage.path(path).read_text())
     except yaml.YAMLError as e:
-        raise ReportError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ReportError(f"{storage.shown_path(path)} is not valid YAML: {str(e).splitlines()[0][:200]}") from None
     return data if isinstance(data, dict) else None
 
 
@@ -314,7 +324,12 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
     metrics) and returns their paths; notes on skipped plots go to `log` (default: stderr)."""
     log = log or (lambda message: print(message, file=sys.stderr))
     if not storage.path(run_dir).is_dir():
-        raise ReportError(f"run directory {run_dir} does not exist")
+        what = "is a file, not a directory" if storage.path(run_dir).exists() else "does not exist"
+        raise ReportError(f"run directory {storage.shown_path(run_dir)} {what}; give <base_output_directory>/"
+                          "<run_name> of a MaxText.train run")
+    # before anything is read or drawn: a file, beneath one, unwritable (the PNGs go beside the metrics by default)
+    out_dir = out_dir or storage.join(run_dir, "metrics")
+    storage.check_output("--out", out_dir)
     metrics_path = storage.join(run_dir, "metrics", "metrics.jsonl")
     train, evals = read_records(metrics_path)
     run_config = read_run_config(storage.join(run_dir, "metrics", "config.yml"))
@@ -322,7 +337,6 @@ def write_report(run_dir: str, out_dir: str | None = None, log=None) -> list[str
         import matplotlib  # noqa: F401
     except ImportError:
         raise ReportError(f"the report needs matplotlib: pip install {MATPLOTLIB_PIN}") from None
-    out_dir = out_dir or storage.join(run_dir, "metrics")
     if not storage.is_remote(out_dir):  # a bucket has no directories to make
         os.makedirs(out_dir, exist_ok=True)
     written = [plot_loss(train, evals, storage.join(out_dir, "loss.png"))]
@@ -347,8 +361,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         paths = write_report(args.run_dir, args.out)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ReportError, ConfigError) as e:  # ConfigError: storage.check_output's
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     print("\n".join(paths))
     return 0

@@ -157,3 +157,65 @@ def describe(error: Exception) -> str:
     """'Type: first line of the message' (at most 300 characters of it), or 'Type' when there is none."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+SHOWN_PATH_LIMIT = 200  # the most characters of a user's path an error line shows
+
+
+def shown_path(path) -> str:
+    """A user's path (or any text) in an error line: whole up to SHOWN_PATH_LIMIT characters, else its start and
+    end with its size, so that a line stays short whatever was given."""
+    text = str(path)
+    if len(text) <= SHOWN_PATH_LIMIT:
+        return text
+    return f"{text[:120]}...{text[-40:]} ({len(text)} characters)"
+
+
+def check_output(key: str, where: str, file: bool = False) -> str:
+    """The absolute path of an output a command is about to write, checked before any work so that a mistake is one
+    line (ConfigError naming `key`) and nothing is written. A directory (file=False) exists or can be made: it is
+    not a file, nor beneath one; a file (file=True) is not a directory and its directory exists. The nearest
+    directory that exists must take a new file: a probe is created there and removed again (os.access would not
+    do: root passes every permission check, but not a read-only filesystem). A gs:// URL is returned as given."""
+    if is_remote(where):
+        return where
+    shown = f"{key}={shown_path(where)}"
+    full = os.path.abspath(where)
+    if file and os.path.isdir(full):
+        raise ConfigError(f"{shown} is a directory; give the path of a file to write")
+    if not file and os.path.lexists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{shown} is a file, not a directory; give a directory to write into (new or empty)")
+    ancestor, missing = (os.path.dirname(full), [os.path.basename(full)]) if file else (full, [])
+    while not os.path.lexists(ancestor):  # also false beneath a file, and for a name too long
+        ancestor, name = os.path.split(ancestor)
+        missing.append(name)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{shown} lies beneath {shown_path(ancestor)}, which is a file, not a directory; choose "
+                          "another path")
+    if file and len(missing) > 1:
+        raise ConfigError(f"{shown}: its directory {shown_path(os.path.dirname(full))} does not exist; create it "
+                          "or choose another path")
+    name_max, path_max = _limit(ancestor, "PC_NAME_MAX", 255), _limit(ancestor, "PC_PATH_MAX", 4096)
+    longest = max((len(os.fsencode(name)) for name in missing), default=0)
+    if longest > name_max:
+        raise ConfigError(f"{shown}: a name in it is {longest} bytes long, over this filesystem's limit of "
+                          f"{name_max}; choose a shorter path")
+    if len(os.fsencode(full)) >= path_max:
+        raise ConfigError(f"{shown} is {len(os.fsencode(full))} bytes long, over this system's limit of "
+                          f"{path_max - 1}; choose a shorter path")
+    probe = os.path.join(ancestor, f".maxtext-write-probe-{os.getpid()}-{time.time_ns()}")
+    try:  # a new file, never through a symlink
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{shown}: cannot write in {shown_path(ancestor)} ({e.strerror or describe(e)}); choose "
+                          "a writable location (not a read-only filesystem, nor one this user may not write)"
+                          ) from None
+    return full
+
+
+def _limit(directory: str, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(directory, name))
+    except (OSError, ValueError):
+        return default

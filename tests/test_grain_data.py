@@ -196,8 +196,9 @@ def test_resume_reads_nothing_before_its_position(big_file, monkeypatch):
         resumed.close()
         counts[name] = len(reads)
     assert_same_batches(got, want, f"resumed at {state}")
-    # 4 batches take ~160 documents; Grain reads at most READ_OPTIONS.prefetch_buffer_size (256) beyond them.
-    assert all(0 < n < 450 for n in counts.values()), f"records read for 4 batches: {counts}; the resume near " \
+    # 4 batches take ~160 documents; Grain's prefetch threads read ahead of them, how far depending on the load
+    # (at most ~420 on an idle machine, 451 measured at the start during a CI run): far below the 3900 skipped.
+    assert all(0 < n < 1000 for n in counts.values()), f"records read for 4 batches: {counts}; the resume near " \
         f"the end skipped 3900"
 
 

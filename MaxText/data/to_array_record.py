@@ -28,7 +28,9 @@ import sys
 import numpy as np
 
 from MaxText.config import ConfigError
+from MaxText.config_checks import error_line
 from MaxText.data import glob_files
+from MaxText.storage import check_output, shown_path
 
 SHARD_NAME = "{split}-{index:05d}-of-{count:05d}.array_record"
 PARTIAL = ".partial"  # suffix of a shard being written
@@ -50,7 +52,7 @@ def parquet_files(source: str) -> list[str]:
     """The sorted, deduplicated files of the comma-separated globs; UserError for a glob matching none."""
     paths, unmatched = glob_files(source)
     if unmatched or not paths:
-        raise UserError(f"no file matches {unmatched or source}")
+        raise UserError(f"no file matches {shown_path(unmatched or source)}")
     return paths
 
 
@@ -63,9 +65,10 @@ def parquet_source(source: str, column: str) -> tuple[int, object]:
         try:
             file = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-            raise UserError(f"{path} is not a readable Parquet file ({type(e).__name__})") from None
+            raise UserError(f"{shown_path(path)} is not a readable Parquet file ({type(e).__name__})") from None
         if column not in file.schema_arrow.names:
-            raise UserError(f"{path} has no column {column!r} (it has {', '.join(file.schema_arrow.names)}); "
+            raise UserError(f"{shown_path(path)} has no column {shown_path(repr(column))} (it has "
+                            f"{shown_path(', '.join(file.schema_arrow.names))}); "
                             f"name the document column with --column")
         files.append(file)
 
@@ -89,16 +92,16 @@ def tfds_source(name: str, split: str, column: str, data_dir: str | None) -> tup
     try:
         builder = tfds_data.open_builder(ml_collections.ConfigDict({"dataset_name": name, "dataset_path": data_dir}))
     except ConfigError as e:  # the trainer's own check, whose message names its keys (dataset_path: --data_dir)
-        raise UserError(f"{name} is neither a Parquet glob nor a TFDS dataset prepared here ({e}); check the name "
-                        f"or --data_dir") from None
+        raise UserError(f"{shown_path(name)} is neither a Parquet glob nor a TFDS dataset prepared here ({e}); check "
+                        "the name or --data_dir") from None
     if column not in builder.info.features:
-        raise UserError(f"TFDS dataset {name} has no feature {column!r} (it has "
+        raise UserError(f"TFDS dataset {shown_path(name)} has no feature {shown_path(repr(column))} (it has "
                         f"{', '.join(builder.info.features)}); name the document feature with --column")
     try:
         count = builder.info.splits[split].num_examples
     except (KeyError, ValueError):
-        raise UserError(f"TFDS dataset {name} has no split {split} (it has {', '.join(builder.info.splits)}); "
-                        f"set --split") from None
+        raise UserError(f"TFDS dataset {shown_path(name)} has no split {shown_path(split)} (it has "
+                        f"{', '.join(builder.info.splits)}); set --split") from None
     with python_stdlib.quiet_tfds():
         ds = builder.as_dataset(split=split, shuffle_files=False,
                                 decoders=tfds.decode.PartialDecoding({column: True}))
@@ -162,7 +165,7 @@ def write_shards(documents, count: int, out_dir: str, prefix: str, column: str, 
         # group_size:1: each record its own chunk, what Grain's random access by index wants.
         writer = ArrayRecordWriter(path + PARTIAL, "group_size:1")
         if not writer.ok():
-            raise UserError(f"cannot write {path + PARTIAL}")
+            raise UserError(f"cannot write {shown_path(path + PARTIAL)}")
         for _ in range(records_per_shard if index + 1 < shards else count - index * records_per_shard):
             document = next(documents, StopIteration)
             if document is StopIteration:
@@ -179,9 +182,10 @@ def write_shards(documents, count: int, out_dir: str, prefix: str, column: str, 
 def convert(args) -> str:
     """Runs one conversion; returns the summary to print."""
     prefix = args.split.split("[")[0]
+    check_output("out_dir", args.out_dir)  # before any work: a file, beneath one, unwritable, too long
     existing = split_files(args.out_dir, prefix) if os.path.isdir(args.out_dir) else []
     if existing and not args.overwrite:
-        raise UserError(f"{args.out_dir} already holds {len(existing)} file(s) of split {prefix} "
+        raise UserError(f"{shown_path(args.out_dir)} already holds {len(existing)} file(s) of split {prefix} "
                         f"({os.path.basename(existing[0])}, ...); choose another out_dir or pass --overwrite")
     if args.records_per_shard < 1:
         raise UserError(f"--records_per_shard {args.records_per_shard}: must be at least 1")
@@ -191,7 +195,7 @@ def convert(args) -> str:
     else:
         count, documents = tfds_source(args.source, args.split, args.column, args.data_dir)
     if count == 0:
-        raise UserError(f"{args.source} holds no documents in split {args.split}")
+        raise UserError(f"{shown_path(args.source)} holds no documents in split {shown_path(args.split)}")
     for path in existing:  # only once the source has opened: a failed run leaves the old files alone
         os.remove(path)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -229,8 +233,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         print(convert(args))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (UserError, ConfigError) as e:  # ConfigError: storage.check_output's
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     return 0
 

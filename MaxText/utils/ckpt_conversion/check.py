@@ -30,6 +30,8 @@ import tempfile
 import numpy as np
 
 from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.storage import shown_path
+from MaxText.utils.ckpt_conversion.to_maxtext import check_family, read_hf_config
 
 OPTIONS = {"hf_model_path": None, "hf_python": None, "check_rows": "4", "check_length": "32", "check_tokens": None,
            "check_stream": "auto", "check_tolerance": None}
@@ -49,8 +51,8 @@ def find_hf_python(given: str | None) -> str:
     """The interpreter that runs transformers: hf_python, else this one, else the repository's .venv-hf."""
     if given:
         if not _has_transformers(given):
-            raise ConfigError(f"hf_python={given} cannot import transformers and torch; install them there "
-                              "(pip install transformers torch) or point hf_python at a Python that has them")
+            raise ConfigError(f"hf_python={shown_path(given)} cannot import transformers and torch; install them "
+                              "there (pip install transformers torch) or point hf_python at a Python that has them")
         return given
     for candidate in (sys.executable, os.path.normpath(REPO_HF_PYTHON)):
         if os.path.exists(candidate) and _has_transformers(candidate):
@@ -63,7 +65,7 @@ def _stream(choice: str, hf_dir: str) -> bool:
     if choice in ("true", "false"):
         return choice == "true"
     if choice != "auto":
-        raise ConfigError(f"check_stream={choice} is not one of auto, true, false")
+        raise ConfigError(f"check_stream={shown_path(choice)} is not one of auto, true, false")
     size = sum(os.path.getsize(os.path.join(hf_dir, n)) for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return size > memory / 3
@@ -78,7 +80,7 @@ def reference_logits(python: str, hf_dir: str, tokens: np.ndarray, stream: bool)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no message)"]
-            raise ConfigError(f"transformers could not run {hf_dir}: {lines[-1][:300]}")
+            raise ConfigError(f"transformers could not run {shown_path(hf_dir)}: {lines[-1][:300]}")
         return np.load(out)
 
 
@@ -102,12 +104,12 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
             opts[key] = value
         else:
             rest.append(arg)
-    if not opts["hf_model_path"] or not os.path.isfile(os.path.join(opts["hf_model_path"], "config.json")):
-        raise ConfigError(f"hf_model_path={opts['hf_model_path']} is not a Hugging Face checkpoint directory (no "
-                          "config.json); give the directory the import read")
+    if not opts["hf_model_path"]:
+        raise ConfigError("hf_model_path=<directory> is required: the Hugging Face checkpoint directory the import "
+                          "read")
     for key in ("check_rows", "check_length"):
         if not opts[key].isdigit() or int(opts[key]) < 1:
-            raise ConfigError(f"{key}={opts[key]} must be a whole number of at least 1")
+            raise ConfigError(f"{key}={shown_path(opts[key])} must be a whole number of at least 1")
     return opts, rest
 
 
@@ -116,25 +118,28 @@ def check(argv: list[str], log=print) -> bool:
     from MaxText import forward
 
     opts, rest = _options(argv)
+    hf = read_hf_config(opts["hf_model_path"])  # a directory of a family imported here, before any work
     cfg = load_config(rest)
+    check_family(cfg, hf["model_type"], str(cfg.model_name), opts["hf_model_path"])
     if not cfg.load_parameters_path:
         raise ConfigError("load_parameters_path=<out>/0/items is required (the imported params to check)")
     try:
         tolerance = float(opts["check_tolerance"] or (2e-4 if cfg.dtype == "float32" else 5e-2))
     except ValueError:
-        raise ConfigError(f"check_tolerance={opts['check_tolerance']} is not a number") from None
-    python = find_hf_python(opts["hf_python"])
+        raise ConfigError(f"check_tolerance={shown_path(opts['check_tolerance'])} is not a number") from None
     if opts["check_tokens"]:
-        tokens = forward.read_tokens(opts["check_tokens"], cfg.vocab_size)
+        tokens = forward.read_tokens(opts["check_tokens"], cfg.vocab_size, key="check_tokens=")
     else:
         rng = np.random.default_rng(cfg.init_weights_seed)
         tokens = rng.integers(0, cfg.vocab_size, (int(opts["check_rows"]), int(opts["check_length"]))).astype(np.int32)
     stream = _stream(opts["check_stream"], opts["hf_model_path"])
+    python = find_hf_python(opts["hf_python"])
     theirs = reference_logits(python, opts["hf_model_path"], tokens, stream)
     ours = np.asarray(forward.model_and_params(cfg, log=log)(tokens), np.float32)
     if ours.shape != theirs.shape:
         raise ConfigError(f"the logits differ in shape: this trainer's {list(ours.shape)}, transformers' "
-                          f"{list(theirs.shape)}; check model_name against {opts['hf_model_path']}/config.json")
+                          f"{list(theirs.shape)}; check model_name against "
+                          f"{shown_path(os.path.join(opts['hf_model_path'], 'config.json'))}")
     rows = compare(ours, theirs)
     log(f"{'row':>4} {'max |diff|':>12} {'max |logit|':>12} {'rel error':>10} {'argmax agree':>13}")
     for r in rows:

@@ -360,6 +360,20 @@ FAMILIES = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepSeek, 
 DECODER_BLOCKS = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek": DeepSeek}
 
 
+def model_family(cfg) -> str:
+    """The model_type of the family a config builds (DeepSeek's: deepseek_v3 with the routing bias, else
+    deepseek_v2), as to_huggingface picks it; words for a model of none of them (for error lines)."""
+    if cfg.num_experts <= 1:
+        return "dense (num_experts=1)"
+    if cfg.decoder_block is not None and cfg.decoder_block not in DECODER_BLOCKS:
+        return f"decoder_block={cfg.decoder_block}"
+    family = (DECODER_BLOCKS[cfg.decoder_block] if cfg.decoder_block is not None else
+              DeepSeek if cfg.attention_type == "mla" else Qwen3Moe if cfg.qk_norm else Mixtral)
+    if family is DeepSeek:
+        return "deepseek_v3" if cfg.routed_bias else "deepseek_v2"
+    return family.model_type
+
+
 def top_level(cfg) -> list[Rule]:
     """The params outside the decoder layers (paths from the params root; names from the checkpoint root)."""
     rules = [Rule("token_embedder.embedding", "model.embed_tokens.weight", "vector"),

@@ -22,6 +22,7 @@ import json
 import math
 
 from MaxText.config import ConfigError
+from MaxText.storage import shown_path
 from MaxText.layers.rope import yarn_mscale
 
 # Fields of transformers' PreTrainedConfig (4 and 5) and the releases that never change the logits of a token
@@ -67,8 +68,9 @@ class Fields:
         self.used.update(s for s, _ in present)
         for s, v in present[1:]:
             if not _same(v, present[0][1]):
-                raise ConfigError(f"config.json: {present[0][0]}={present[0][1]!r} and {s}={v!r} disagree (two "
-                                  "spellings of one field); fix the file")
+                first, other = shown_path(repr(present[0][1])), shown_path(repr(v))
+                raise ConfigError(f"config.json: {present[0][0]}={first} and {s}={other} disagree (two spellings of "
+                                  "one field); fix the file")
         if present:
             return present[0][1]
         value = self.defaults.get(name, _MISSING)
@@ -80,7 +82,7 @@ class Fields:
         """The field's value, or a ConfigError saying what this trainer builds instead."""
         value = self[name]
         if not ok(value):
-            raise ConfigError(f"config.json: {name}={value!r} is not supported ({what})")
+            raise ConfigError(f"config.json: {name}={shown_path(repr(value))} is not supported ({what})")
         return value
 
     def mark(self, *names: str) -> None:

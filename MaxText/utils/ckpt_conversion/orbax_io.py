@@ -21,6 +21,7 @@ import numpy as np
 
 from MaxText.config import ConfigError
 from MaxText.config_checks import remote_path_error
+from MaxText.storage import check_output, shown_path
 
 
 class Items:
@@ -29,17 +30,29 @@ class Items:
     def __init__(self, path: str, key: str):
         meta_path = os.path.join(path, "_METADATA")
         if not os.path.isfile(meta_path):
-            raise ConfigError(f"{key}={path} is not an Orbax item directory (no _METADATA); give "
+            what = "does not exist" if not os.path.exists(path) else "is a file" if not os.path.isdir(path) else (
+                "has no _METADATA")
+            raise ConfigError(f"{key}={shown_path(path)} is not an Orbax item directory ({what}); give "
                               "<run>/checkpoints/<step>/items")
         try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except ValueError as e:
-            raise ConfigError(f"{meta_path} is not valid JSON ({str(e)[:80]}); the checkpoint is damaged") from None
+            with open(meta_path, "rb") as f:
+                meta = json.loads(f.read())
+        except OSError as e:
+            raise ConfigError(f"{shown_path(meta_path)} cannot be read ({e.strerror or e})") from None
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"{shown_path(meta_path)} is not valid JSON ({str(e).splitlines()[0][:80]}); the "
+                              "checkpoint is damaged") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata", {}), dict):
+            raise ConfigError(f"{shown_path(meta_path)} holds a {type(meta).__name__}, not a JSON object with a "
+                              "tree_metadata mapping; the checkpoint is damaged (or not Orbax's)")
         self.path, self.key = path, key
         self.ocdbt, self.zarr3 = bool(meta.get("use_ocdbt")), bool(meta.get("use_zarr3"))
-        self.names = [".".join(str(k["key"]) for k in entry.get("key_metadata", ()))
-                      for entry in meta.get("tree_metadata", {}).values()]
+        try:
+            self.names = [".".join(str(k["key"]) for k in entry.get("key_metadata", ()))
+                          for entry in meta.get("tree_metadata", {}).values()]
+        except (AttributeError, KeyError, TypeError):
+            raise ConfigError(f"{shown_path(meta_path)}: its tree_metadata is not Orbax's (entries with "
+                              "key_metadata); the checkpoint is damaged") from None
         self._open = {}
 
     def __contains__(self, name: str) -> bool:
@@ -58,7 +71,7 @@ class Items:
                 self._open[name] = ts.open({"driver": "zarr3" if self.zarr3 else "zarr", "kvstore": kvstore,
                                             "open": True}, read=True).result()
             except Exception as e:  # noqa: BLE001 - TensorStore's errors are long: one line of the first
-                raise ConfigError(f"{self.key}={self.path}: array {name} cannot be read "
+                raise ConfigError(f"{self.key}={shown_path(self.path)}: array {name} cannot be read "
                                   f"({str(e).splitlines()[0][:160]})") from None
         return self._open[name]
 
@@ -151,11 +164,12 @@ def split_paths(argv: list[str], required: tuple[str, ...], optional: tuple[str,
     return found, rest
 
 
-def new_step_dir(out_dir: str) -> str:
-    """<out>/0, refused when it exists (checked before any work, so that nothing is converted in vain)."""
-    step_dir = os.path.join(out_dir, "0")
-    if os.path.exists(step_dir):
-        raise ConfigError(f"{step_dir} exists already; choose another base_output_directory")
+def new_step_dir(out_dir: str, key: str = "base_output_directory") -> str:
+    """<out>/0 (absolute), refused when it exists, and the output directory checked (storage.check_output) before
+    any work, so that nothing is converted in vain."""
+    step_dir = os.path.join(check_output(key, out_dir), "0")
+    if os.path.lexists(step_dir):
+        raise ConfigError(f"{shown_path(step_dir)} exists already; choose another {key}")
     return step_dir
 
 

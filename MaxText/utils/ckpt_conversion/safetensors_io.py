@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxText.config import ConfigError
+from MaxText.storage import shown_path
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
@@ -39,9 +40,23 @@ def _header(path: str) -> tuple[dict, int]:
             if size > 100 * 2 ** 20:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as e:
-        raise ConfigError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+    except (OSError, ValueError, struct.error, RecursionError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        raise ConfigError(f"{shown_path(path)} is not a readable safetensors file ({reason})") from None
+    bad = "a JSON object" if not isinstance(header, dict) else next(
+        (f"tensor {shown_path(name)} with dtype, shape and data_offsets" for name, entry in header.items()
+         if name != "__metadata__" and not _well_formed(entry)), None)
+    if bad:
+        raise ConfigError(f"{shown_path(path)} is not a readable safetensors file (its header is not {bad})")
     return header, 8 + size
+
+
+def _well_formed(entry) -> bool:
+    """A header entry: {"dtype": str, "shape": [int, ...], "data_offsets": [begin, end]}."""
+    ints = lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)  # noqa: E731
+    return (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and ints(entry.get("shape"))
+            and ints(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2
+            and entry["data_offsets"][0] <= entry["data_offsets"][1])
 
 
 class Checkpoint:
@@ -51,25 +66,34 @@ class Checkpoint:
         self.directory = directory
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            try:
+                with open(index, "rb") as f:
+                    weight_map = json.loads(f.read()).get("weight_map", {})
+            except OSError as e:
+                raise ConfigError(f"{shown_path(index)} cannot be read ({e.strerror or e})") from None
+            except (ValueError, RecursionError, AttributeError) as e:  # AttributeError: not a JSON object
+                reason = str(e).splitlines()[0][:120] if not isinstance(e, AttributeError) else "not a JSON object"
+                raise ConfigError(f"{shown_path(index)} is not valid JSON ({reason})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConfigError(f"{shown_path(index)}: weight_map is not a mapping of tensor name to file name")
             files = sorted(set(weight_map.values()))
         else:
             weight_map = None
             files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
         if not files:
-            raise ConfigError(f"hf_model_path={directory} holds no *.safetensors files")
+            raise ConfigError(f"hf_model_path={shown_path(directory)} holds no *.safetensors files")
         self.entries: dict[str, tuple[str, dict, int]] = {}
         for name in files:
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
                 missing = next(t for t, f in weight_map.items() if f == name)
-                raise ConfigError(f"{path} is missing (model.safetensors.index.json puts {missing} there)")
+                raise ConfigError(f"{shown_path(path)} is missing (model.safetensors.index.json puts "
+                                  f"{shown_path(missing)} there)")
             header, start = _header(path)
             tensors = {t: e for t, e in header.items() if t != "__metadata__"}
             end = start + max((e["data_offsets"][1] for e in tensors.values()), default=0)
             if os.path.getsize(path) < end:
-                raise ConfigError(f"{path} is truncated: its header needs {end} bytes and the file has "
+                raise ConfigError(f"{shown_path(path)} is truncated: its header needs {end} bytes and the file has "
                                   f"{os.path.getsize(path)}")
             self.entries.update({t: (path, e, start) for t, e in tensors.items()})
         if weight_map is not None:
@@ -89,19 +113,20 @@ class Checkpoint:
 
     def _entry(self, name: str):
         if name not in self.entries:
-            raise ConfigError(f"tensor {name} is not in {self.directory}")
+            raise ConfigError(f"tensor {shown_path(name)} is not in {shown_path(self.directory)}")
         return self.entries[name]
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as stored (its dtype and shape), read from its file."""
         path, entry, start = self._entry(name)
         if entry["dtype"] not in DTYPES:
-            raise ConfigError(f"tensor {name} in {path} has dtype {entry['dtype']}, which is not supported")
+            raise ConfigError(f"tensor {shown_path(name)} in {shown_path(path)} has dtype "
+                              f"{shown_path(entry['dtype'])}, which is not supported")
         dtype = np.dtype(DTYPES[entry["dtype"]])
         begin, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConfigError(f"tensor {name} in {path}: {end - begin} bytes do not hold "
+            raise ConfigError(f"tensor {shown_path(name)} in {shown_path(path)}: {end - begin} bytes do not hold "
                               f"{entry['dtype']} {list(shape)}")
         return np.fromfile(path, dtype, count=math.prod(shape), offset=start + begin).reshape(shape)
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.config_checks import remote_path_error
+from MaxText.storage import check_output, shown_path
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, DeepSeek, Mixtral, Qwen3Moe, placements, to_theirs
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK, write_file
@@ -125,18 +126,13 @@ def tokenizer_files(directory: str) -> list[str]:
         return []
     found = [os.path.join(directory, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, f))]
     if not any(os.path.basename(f).startswith("tokenizer") for f in found):
-        raise ConfigError(f"hf_tokenizer_path={directory} holds no tokenizer.json, tokenizer_config.json or "
-                          "tokenizer.model to bundle; give the Hugging Face directory of the model's tokenizer")
+        raise ConfigError(f"hf_tokenizer_path={shown_path(directory)} holds no tokenizer.json, tokenizer_config.json "
+                          "or tokenizer.model to bundle; give the Hugging Face directory of the model's tokenizer")
     return found
 
 
 def export(argv: list[str], log=print) -> str:
     """Runs the export; returns the directory written."""
-    import jax
-
-    from MaxText import checkpointing, plan, sharding
-    from MaxText.state import state_spec
-
     opts, rest = {"hf_dtype": "bfloat16", "hf_shard_gb": "5", "hf_tokenizer_path": ""}, []
     out_dir = None
     for arg in upstream_flags.normalize(list(argv), upstream_flags.TO_HUGGINGFACE, "to_huggingface", log):
@@ -158,9 +154,10 @@ def export(argv: list[str], log=print) -> str:
     error = remote_path_error("base_output_directory", out_dir, "the converters read and write")
     if error:
         raise ConfigError(error)
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"base_output_directory={out_dir} exists and is not empty; choose a new directory")
+    out_dir = check_output("base_output_directory", out_dir)  # before any work: a file, unwritable, too long
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"base_output_directory={shown_path(out_dir)} exists and is not empty; choose a new "
+                          "directory")
     tokenizer = tokenizer_files(opts["hf_tokenizer_path"])
     cfg = load_config(rest)
     if not cfg.load_parameters_path:
@@ -168,14 +165,20 @@ def export(argv: list[str], log=print) -> str:
     family = family_of(cfg)
     if opts["hf_dtype"] == "fp8" and not isinstance(family, DeepSeek):
         raise ConfigError("hf_dtype=fp8 is DeepSeek's release format; use bfloat16 or float32 for this family")
+
+    import jax
+
+    from MaxText import checkpointing, plan, sharding
+    from MaxText.state import state_spec
+
     config = family.hf_config(cfg)
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), spec.abstract)
     params, bias = checkpointing.load_params(cfg.load_parameters_path, local["params"], cfg, local.get("nnx_aux"))
     if cfg.routed_bias and bias is None:
-        raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} holds no routing bias, which "
-                          f"{config['model_type']} needs (e_score_correction_bias)")
+        raise ConfigError(f"load_parameters_path={shown_path(cfg.load_parameters_path)} holds no routing bias, "
+                          f"which {config['model_type']} needs (e_score_correction_bias)")
     tree = {"params": jax.device_get(params), **({"nnx_aux": jax.device_get(bias)} if bias is not None else {})}
     tensors = hf_tensors(cfg, family, tree, opts["hf_dtype"])
     config["torch_dtype"] = "float32" if opts["hf_dtype"] == "float32" else "bfloat16"

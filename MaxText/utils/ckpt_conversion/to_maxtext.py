@@ -47,7 +47,9 @@ import yaml
 
 from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.utils.ckpt_conversion import upstream_flags
-from MaxText.utils.ckpt_conversion.families import FAMILIES, Placement, placements, to_ours
+from MaxText.storage import shown_path
+from MaxText.utils.ckpt_conversion.families import (FAMILIES, Placement, model_family, placements,
+                                                    to_ours)
 from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, create_items, new_step_dir, save_shapes,
                                                      split_paths, write_step)
 from MaxText.utils.ckpt_conversion.safetensors_io import Checkpoint
@@ -63,19 +65,42 @@ def _split_argv(argv: list[str]) -> tuple[str, str, list[str], list[str]]:
     return found["hf_model_path"], found["base_output_directory"], ignore, rest
 
 
-def read_hf_config(hf_dir: str) -> dict:
+def read_hf_config(hf_dir: str, key: str = "hf_model_path") -> dict:
+    """config.json of a Hugging Face checkpoint directory, of a family this trainer imports; one line otherwise."""
+    if not os.path.exists(hf_dir):
+        raise ConfigError(f"{key}={shown_path(hf_dir)} does not exist; give the Hugging Face checkpoint directory "
+                          "(config.json and *.safetensors)")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"{key}={shown_path(hf_dir)} is a file, not a directory; give the Hugging Face checkpoint "
+                          "directory that holds config.json")
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"hf_model_path={hf_dir} has no config.json")
+        raise ConfigError(f"{key}={shown_path(hf_dir)} is not a Hugging Face checkpoint directory (no config.json); "
+                          "give the directory that holds config.json and *.safetensors")
     try:
-        with open(path) as f:
-            hf = json.load(f)
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON ({str(e)[:120]})") from None
-    if hf.get("model_type") not in FAMILIES:
-        raise ConfigError(f"{path}: model_type={hf.get('model_type')!r} is not one this trainer imports "
-                          f"({', '.join(FAMILIES)})")
+        with open(path, "rb") as f:
+            hf = json.loads(f.read())
+    except OSError as e:
+        raise ConfigError(f"{shown_path(path)} cannot be read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; RecursionError: nested deeper than json parses
+        raise ConfigError(f"{shown_path(path)} is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{shown_path(path)} holds a {type(hf).__name__}, not a JSON object; give a Hugging Face "
+                          "config.json")
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ConfigError(f"{shown_path(path)}: model_type={shown_path(repr(model_type))} is not one this trainer "
+                          f"imports ({', '.join(FAMILIES)})")
     return hf
+
+
+def check_family(cfg, model_type: str, model_name: str, hf_dir: str) -> None:
+    """ConfigError when the model of `cfg` (model_name) is not of config.json's family."""
+    built = model_family(cfg)
+    if FAMILIES.get(built) is not FAMILIES[model_type]:
+        raise ConfigError(f"{shown_path(os.path.join(hf_dir, 'config.json'))} is a {model_type} checkpoint but "
+                          f"model_name={shown_path(model_name)} builds a {built} model; give the model file of that "
+                          "checkpoint (the import's <out>/model.yml), or drop model_name")
 
 
 def _without_absent_mtp(keys: dict, ckpt: Checkpoint, log) -> dict:
@@ -213,19 +238,20 @@ def write_items(item_dir: str, leaves: list[Leaf], ckpt: Checkpoint, cfg) -> Non
 
 def convert(argv: list[str], log=print) -> str:
     """Runs the import; returns the item directory written."""
-    from MaxText import plan, sharding
-    from MaxText.checkpointing import CHECKSUMS, ITEM
-    from MaxText.state import state_spec
-
     hf_dir, out_dir, ignore, rest = _split_argv(upstream_flags.normalize(list(argv), upstream_flags.TO_MAXTEXT,
                                                                          "to_maxtext", log, bare=True))
+    step_dir = new_step_dir(out_dir)  # the output checked before any work
+    out_dir = os.path.dirname(step_dir)
     hf = read_hf_config(hf_dir)
     ckpt = Checkpoint(hf_dir)
     family = FAMILIES[hf["model_type"]]()
     keys = family.model_keys(hf, log, ignore)
     keys = _without_absent_mtp(keys, ckpt, log)
-    out_dir = os.path.abspath(out_dir)
-    step_dir = new_step_dir(out_dir)
+
+    from MaxText import plan, sharding
+    from MaxText.checkpointing import CHECKSUMS, ITEM
+    from MaxText.state import state_spec
+
     config_args = [a for a in rest if a.endswith((".yml", ".yaml")) and "=" not in a][:1]
     overrides = [a for a in rest if a not in config_args]
     named = next((a.split("=", 1)[1] for a in overrides if a.startswith("model_name=")), None)
@@ -233,6 +259,7 @@ def convert(argv: list[str], log=print) -> str:
     with tempfile.TemporaryDirectory() as staging:
         if named:
             cfg = load_config(config_args + overrides)
+            check_family(cfg, hf["model_type"], named, hf_dir)
             check_agrees(cfg, keys, named)
         else:
             # A model key on the command line changes what is imported (mtp_num_layers=0 drops the MTP layer):

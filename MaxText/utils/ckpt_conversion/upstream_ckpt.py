@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from MaxText.config import ConfigError, load_config
+from MaxText.storage import shown_path
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, placements
 from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, Items, create_items, new_step_dir, save_shapes,
                                                      split_paths, write_step)
@@ -155,7 +156,7 @@ def upstream_layout(items: Items) -> tuple[str, bool]:
             scanned = any(re.match(re.escape(root) + r"decoder\.(layers|dense_layers|moe_layers)\.", n) for n in names)
             return root, scanned
     ours = any(n.startswith("params.token_embedder.") for n in items.names)
-    raise ConfigError(f"load_parameters_path={items.path} is not upstream MaxText's parameter tree (no "
+    raise ConfigError(f"load_parameters_path={shown_path(items.path)} is not upstream MaxText's parameter tree (no "
                       "params/params/decoder/...)" + ("; it is this trainer's: load it directly" if ours else ""))
 
 
@@ -180,6 +181,25 @@ def _sides(to_upstream: bool):
     return ((lambda p: p.ours), (lambda p: p.theirs)) if to_upstream else ((lambda p: p.theirs), (lambda p: p.ours))
 
 
+def upstream_family(items: Items, root: str) -> str | None:
+    """The decoder_block whose MoE block names (BLOCKS) upstream's tree holds; None when it holds none of them."""
+    layers = re.compile(re.escape(root) + r"decoder\.(?:layers|dense_layers|moe_layers)(?:_\d+)?\.(.+)")
+    found = {m.group(1) for m in map(layers.match, items.names) if m}
+    for block in ("deepseek", "qwen3_moe", "mixtral"):  # DeepSeek's MoeBlock_0 lies inside DeepSeekMoeBlock_0
+        if any(name.startswith(BLOCKS[block][0] + ".") for name in found):
+            return block
+    return None
+
+
+def check_upstream_family(cfg, items: Items, root: str) -> None:
+    """ConfigError when upstream's checkpoint holds another family's MoE layers than this config builds."""
+    theirs = upstream_family(items, root)
+    if theirs is not None and cfg.decoder_block in BLOCKS and theirs != cfg.decoder_block:
+        raise ConfigError(f"load_parameters_path={shown_path(items.path)} holds upstream's {theirs} layers "
+                          f"({BLOCKS[theirs][0]}) but decoder_block={cfg.decoder_block} here; use the model keys it "
+                          "was written with (its model_name and command-line keys)")
+
+
 def target_arrays(source: Items, pairs_: list[Pair], to_upstream: bool) -> list[ArrayOut]:
     """The arrays the copy writes (shapes from the source's, chunked by layer and expert), read from the source's
     metadata alone; every source array named must exist."""
@@ -191,7 +211,8 @@ def target_arrays(source: Items, pairs_: list[Pair], to_upstream: bool) -> list[
     for name, group in groups.items():
         first_src, first_dst = src(group[0]), dst(group[0])
         if first_src.name not in source:
-            raise ConfigError(f"load_parameters_path={source.path} holds no {first_src.name}; use the model keys it "
+            raise ConfigError(f"load_parameters_path={shown_path(source.path)} holds no {first_src.name}; use the "
+                              "model keys it "
                               "was written with (model_name, scan_layers, mtp_num_layers and the keys of its command "
                               "line)")
         shape = list(source.shape(first_src.name))
@@ -225,7 +246,7 @@ def copy(source: Items, pairs_: list[Pair], to_upstream: bool, item_dir: str, ar
 def _paths(argv: list[str]) -> tuple[str, str, list[str]]:
     """(load_parameters_path, <out>/0 (refused when it exists), the rest for load_config)."""
     found, rest = split_paths(argv, ("load_parameters_path", "base_output_directory"))
-    return found["load_parameters_path"], new_step_dir(os.path.abspath(found["base_output_directory"])), rest
+    return found["load_parameters_path"], new_step_dir(found["base_output_directory"]), rest
 
 
 def abstract_tree(cfg) -> dict[str, tuple]:
@@ -251,6 +272,7 @@ def from_upstream(argv: list[str], log=print) -> str:
     cfg = load_config(rest)
     source = Items(path, "load_parameters_path")
     root, scanned = upstream_layout(source)
+    check_upstream_family(cfg, source, root)
     pairs_ = pairs(cfg, scanned, root)
     if cfg.routed_bias and not any(p.theirs.name in source for p in pairs_ if p.ours.name.startswith("nnx_aux.")):
         log(f"{path} holds no routing biases (nnx_aux/model/...gate/bias): imported without them, so they restart "
@@ -265,14 +287,14 @@ def from_upstream(argv: list[str], log=print) -> str:
         log(f"not imported: upstream's MTP block ({len(mtp)} arrays), as mtp_num_layers=0")
         unused = [n for n in unused if n not in mtp]
     if unused:
-        raise ConfigError(f"array {unused[0]} of {path} has no place in this model ({len(unused)} such); use the "
-                          "model keys it was written with")
+        raise ConfigError(f"array {unused[0]} of {shown_path(path)} has no place in this model ({len(unused)} such); "
+                          "use the model keys it was written with")
 
     arrays = target_arrays(source, pairs_, False)
     for a in arrays:  # every shape checked before anything is written
         name = ".".join(a.key)
         if wanted.get(name) != tuple(a.shape):
-            raise ConfigError(f"{path} gives {name} the shape {list(a.shape)} but this config needs "
+            raise ConfigError(f"{shown_path(path)} gives {name} the shape {list(a.shape)} but this config needs "
                               f"{list(wanted.get(name, ()))}; use the model keys it was written with")
 
     def write(partial):
@@ -292,7 +314,7 @@ def to_upstream(argv: list[str], log=print) -> str:
     cfg = load_config(rest)
     source = Items(path, "load_parameters_path")
     if any(n.startswith(ROOTS[0] + "decoder.") for n in source.names):
-        raise ConfigError(f"load_parameters_path={path} is upstream MaxText's tree already")
+        raise ConfigError(f"load_parameters_path={shown_path(path)} is upstream MaxText's tree already")
     pairs_ = pairs(cfg, bool(cfg.scan_layers), ROOTS[0])
     if cfg.routed_bias and not any(p.ours.name in source for p in pairs_ if p.ours.name.startswith("nnx_aux.")):
         log(f"{path} holds no routing biases (nnx_aux): exported without them")
@@ -300,8 +322,8 @@ def to_upstream(argv: list[str], log=print) -> str:
     wanted = abstract_tree(cfg)
     for p in pairs_:
         if p.ours.name in source and source.shape(p.ours.name) != wanted[p.ours.name]:
-            raise ConfigError(f"{path} holds {p.ours.name} as {list(source.shape(p.ours.name))} but this config "
-                              f"needs {list(wanted[p.ours.name])}; use the config it was written with")
+            raise ConfigError(f"{shown_path(path)} holds {p.ours.name} as {list(source.shape(p.ours.name))} but this "
+                              f"config needs {list(wanted[p.ours.name])}; use the config it was written with")
     arrays = target_arrays(source, pairs_, True)  # every source array present, before anything is written
     write_step(step_dir, lambda partial: copy(source, pairs_, True, os.path.join(partial, "items"), arrays))
     item = os.path.join(step_dir, "items")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from MaxText.config import ConfigError
+from MaxText.storage import shown_path
 
 
 class Flag(NamedTuple):
@@ -48,7 +49,7 @@ def normalize(argv: list[str], flags: dict[str, Flag], tool: str, log=print, bar
         name, sep, value = arg.lstrip("-").partition("=")
         if name not in flags or not (dashed or (bare and sep)):
             if dashed:
-                raise ConfigError(f"{arg.split('=')[0]} is not a flag of {tool} (MaxText's are "
+                raise ConfigError(f"{shown_path(arg.split('=')[0])} is not a flag of {tool} (MaxText's are "
                                   f"{', '.join('--' + f for f in flags)}); give other settings as key=value")
             out.append(arg)
             continue
@@ -62,10 +63,10 @@ def normalize(argv: list[str], flags: dict[str, Flag], tool: str, log=print, bar
                 raise ConfigError(f"--{name} needs a value (--{name}=<value>)")
         if flag.boolean:
             if value.lower() not in BOOLEANS:
-                raise ConfigError(f"--{name}={value} is not a boolean (true/false)")
+                raise ConfigError(f"--{name}={shown_path(value)} is not a boolean (true/false)")
             value = BOOLEANS[value.lower()]
         if flag.values and value not in flag.values:
-            raise ConfigError(f"--{name}={value} is not supported by {tool}: {flag.note} (one of "
+            raise ConfigError(f"--{name}={shown_path(value)} is not supported by {tool}: {flag.note} (one of "
                               f"{', '.join(flag.values)})")
         if flag.ours is None:
             log(f"--{name}={value} (MaxText's flag) has no effect here: {flag.note}")
