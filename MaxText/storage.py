@@ -171,6 +171,21 @@ def shown_path(path) -> str:
     return f"{text[:120]}...{text[-40:]} ({len(text)} characters)"
 
 
+def read_json_file(path: str, hint: str = "", limit: int = 120):
+    """The JSON value of a local file; ConfigError (one line naming the file, `hint` after the reason) when it
+    cannot be read or is not JSON (bad UTF-8, bad syntax, nested deeper than the parser goes)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except OSError as e:
+        raise ConfigError(f"{shown_path(path)} cannot be read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:limit]
+        raise ConfigError(f"{shown_path(path)} is not valid JSON ({reason}){hint}") from None
+
+
 def check_output(key: str, where: str, file: bool = False) -> str:
     """The absolute path of an output a command is about to write, checked before any work so that a mistake is one
     line (ConfigError naming `key`) and nothing is written. A directory (file=False) exists or can be made: it is

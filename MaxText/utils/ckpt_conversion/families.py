@@ -360,16 +360,25 @@ FAMILIES = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepSeek, 
 DECODER_BLOCKS = {"mixtral": Mixtral, "qwen3_moe": Qwen3Moe, "deepseek": DeepSeek}
 
 
+def family_of(cfg):
+    """The family (an instance) of the model a config builds; ConfigError for a model of none of them."""
+    if cfg.num_experts <= 1:
+        raise ConfigError("only MoE models export (num_experts > 1): mixtral, qwen3_moe, deepseek_v3/v2")
+    if cfg.decoder_block in DECODER_BLOCKS:
+        return DECODER_BLOCKS[cfg.decoder_block]()
+    if cfg.decoder_block is not None:
+        raise ConfigError(f"decoder_block={cfg.decoder_block} has no Hugging Face export here")
+    return DeepSeek() if cfg.attention_type == "mla" else Qwen3Moe() if cfg.qk_norm else Mixtral()
+
+
 def model_family(cfg) -> str:
     """The model_type of the family a config builds (DeepSeek's: deepseek_v3 with the routing bias, else
     deepseek_v2), as to_huggingface picks it; words for a model of none of them (for error lines)."""
-    if cfg.num_experts <= 1:
-        return "dense (num_experts=1)"
-    if cfg.decoder_block is not None and cfg.decoder_block not in DECODER_BLOCKS:
-        return f"decoder_block={cfg.decoder_block}"
-    family = (DECODER_BLOCKS[cfg.decoder_block] if cfg.decoder_block is not None else
-              DeepSeek if cfg.attention_type == "mla" else Qwen3Moe if cfg.qk_norm else Mixtral)
-    if family is DeepSeek:
+    try:
+        family = family_of(cfg)
+    except ConfigError:
+        return "dense (num_experts=1)" if cfg.num_experts <= 1 else f"decoder_block={cfg.decoder_block}"
+    if isinstance(family, DeepSeek):
         return "deepseek_v3" if cfg.routed_bias else "deepseek_v2"
     return family.model_type
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from MaxText.config import ConfigError
 from MaxText.config_checks import remote_path_error
-from MaxText.storage import check_output, shown_path
+from MaxText.storage import check_output, read_json_file, shown_path
 
 
 class Items:
@@ -34,14 +34,7 @@ class Items:
                 "has no _METADATA")
             raise ConfigError(f"{key}={shown_path(path)} is not an Orbax item directory ({what}); give "
                               "<run>/checkpoints/<step>/items")
-        try:
-            with open(meta_path, "rb") as f:
-                meta = json.loads(f.read())
-        except OSError as e:
-            raise ConfigError(f"{shown_path(meta_path)} cannot be read ({e.strerror or e})") from None
-        except (ValueError, RecursionError) as e:
-            raise ConfigError(f"{shown_path(meta_path)} is not valid JSON ({str(e).splitlines()[0][:80]}); the "
-                              "checkpoint is damaged") from None
+        meta = read_json_file(meta_path, "; the checkpoint is damaged", limit=80)
         if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata", {}), dict):
             raise ConfigError(f"{shown_path(meta_path)} holds a {type(meta).__name__}, not a JSON object with a "
                               "tree_metadata mapping; the checkpoint is damaged (or not Orbax's)")

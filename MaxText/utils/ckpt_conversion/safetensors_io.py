@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from MaxText.config import ConfigError
-from MaxText.storage import shown_path
+from MaxText.storage import read_json_file, shown_path
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
@@ -66,14 +66,10 @@ class Checkpoint:
         self.directory = directory
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.isfile(index):
-            try:
-                with open(index, "rb") as f:
-                    weight_map = json.loads(f.read()).get("weight_map", {})
-            except OSError as e:
-                raise ConfigError(f"{shown_path(index)} cannot be read ({e.strerror or e})") from None
-            except (ValueError, RecursionError, AttributeError) as e:  # AttributeError: not a JSON object
-                reason = str(e).splitlines()[0][:120] if not isinstance(e, AttributeError) else "not a JSON object"
-                raise ConfigError(f"{shown_path(index)} is not valid JSON ({reason})") from None
+            data = read_json_file(index)
+            if not isinstance(data, dict):
+                raise ConfigError(f"{shown_path(index)} is not valid JSON (not a JSON object)")
+            weight_map = data.get("weight_map", {})
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ConfigError(f"{shown_path(index)}: weight_map is not a mapping of tensor name to file name")
             files = sorted(set(weight_map.values()))

@@ -29,7 +29,7 @@ import numpy as np
 from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.config_checks import remote_path_error
 from MaxText.storage import check_output, shown_path
-from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, DeepSeek, Mixtral, Qwen3Moe, placements, to_theirs
+from MaxText.utils.ckpt_conversion.families import DeepSeek, family_of, placements, to_theirs
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK, write_file
 
@@ -37,16 +37,6 @@ HF_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "fp8": ml_dt
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_KINDS = ("linear", "heads_in", "heads_out", "experts", "mtp_projection")
 NOT_FP8 = ("lm_head.weight", ".gate.weight")  # DeepSeek's release keeps the head and the routers in bf16
-
-
-def family_of(cfg):
-    if cfg.num_experts <= 1:
-        raise ConfigError("only MoE models export (num_experts > 1): mixtral, qwen3_moe, deepseek_v3/v2")
-    if cfg.decoder_block in DECODER_BLOCKS:
-        return DECODER_BLOCKS[cfg.decoder_block]()
-    if cfg.decoder_block is not None:
-        raise ConfigError(f"decoder_block={cfg.decoder_block} has no Hugging Face export here")
-    return DeepSeek() if cfg.attention_type == "mla" else Qwen3Moe() if cfg.qk_norm else Mixtral()
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

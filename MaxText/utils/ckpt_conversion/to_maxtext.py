@@ -35,7 +35,6 @@ written tensor by tensor (write_items), so the host holds about the largest sing
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -47,7 +46,7 @@ import yaml
 
 from MaxText.config import ConfigError, load_config, tool_main
 from MaxText.utils.ckpt_conversion import upstream_flags
-from MaxText.storage import shown_path
+from MaxText.storage import read_json_file, shown_path
 from MaxText.utils.ckpt_conversion.families import (FAMILIES, Placement, model_family, placements,
                                                     to_ours)
 from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, create_items, new_step_dir, save_shapes,
@@ -77,13 +76,7 @@ def read_hf_config(hf_dir: str, key: str = "hf_model_path") -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"{key}={shown_path(hf_dir)} is not a Hugging Face checkpoint directory (no config.json); "
                           "give the directory that holds config.json and *.safetensors")
-    try:
-        with open(path, "rb") as f:
-            hf = json.loads(f.read())
-    except OSError as e:
-        raise ConfigError(f"{shown_path(path)} cannot be read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; RecursionError: nested deeper than json parses
-        raise ConfigError(f"{shown_path(path)} is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    hf = read_json_file(path)
     if not isinstance(hf, dict):
         raise ConfigError(f"{shown_path(path)} holds a {type(hf).__name__}, not a JSON object; give a Hugging Face "
                           "config.json")
