@@ -38,6 +38,7 @@ import os
 import re
 import sys
 import time
+import traceback
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -379,11 +380,7 @@ class _DropOrbaxTracebacks:
     def filter(self, record) -> bool:
         if not record.exc_info:
             return True
-        tb = record.exc_info[2]
-        files = [record.pathname]
-        while tb is not None:
-            files.append(tb.tb_frame.f_code.co_filename)
-            tb = tb.tb_next
+        files = [record.pathname, *(frame.f_code.co_filename for frame, _ in traceback.walk_tb(record.exc_info[2]))]
         return not any(f"{os.sep}orbax{os.sep}" in f for f in files)
 
 
@@ -399,16 +396,11 @@ def _quiet_orbax_failures() -> None:
         """Drops what TensorStore's callbacks raise for the writes still running when one failed and Orbax
         closed its event loop (one traceback each, dozens of them, around the one-line error)."""
         late = info.exc_type is RuntimeError and str(info.exc_value) == "Event loop is closed"
-        if not (late and info.exc_traceback and _innermost(info.exc_traceback).co_name == "_check_closed"):
+        frames = list(traceback.walk_tb(info.exc_traceback))
+        if not (late and frames and frames[-1][0].f_code.co_name == "_check_closed"):
             previous(info)
 
     sys.unraisablehook = unraisable
-
-
-def _innermost(tb):
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code
 
 
 def _gather_json(obj) -> list:
