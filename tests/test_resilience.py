@@ -432,7 +432,7 @@ def _full_disk(path):
     path.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount") or subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)], capture_output=True).returncode:
-        pytest.skip("needs root and mount (a real 1 MiB filesystem to fill)")
+        pytest.skip("needs root and mount (a real 3 MB filesystem to fill)")
     return path
 
 
