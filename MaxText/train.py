@@ -31,17 +31,20 @@ if __name__ == "__main__":  # from the first import on, SIGTERM (a scheduler's) 
     signal.signal(signal.SIGINT, _early)  # SIGTERM last: Python catches SIGINT from its start, so a handler for
     signal.signal(signal.SIGTERM, _early)  # SIGTERM is what tells another process that both are this one's
 
-from MaxText.config import ConfigError, apply_xla_flags, global_batch_size, load_config
-from MaxText.config_checks import error_line
-from MaxText.data import DataError
-from MaxText.distributed import maybe_initialize_distributed, process_count
-from MaxText.run_lock import automatic_run_name, run_lock
+from MaxText.config import storage
+from MaxText.config.errors import ConfigError, error_line
+from MaxText.config.load import apply_xla_flags, global_batch_size, load_config
+from MaxText.config.storage import describe
+from MaxText.config.xla_flags import check_flags
+from MaxText.data import make_data, validate
+from MaxText.data.records import DataError
+from MaxText.planning import flops
+from MaxText.parallel.distributed import maybe_initialize_distributed, process_count
+from MaxText.trainer.run_lock import automatic_run_name, run_lock
 
 
 def run_directories(cfg) -> tuple[str, str]:
     """(run directory, checkpoint directory) as MaxText lays them out: absolute local paths, or gs:// URLs."""
-    from MaxText import storage
-
     run_dir = storage.resolve(storage.join(cfg.base_output_directory, cfg.run_name))
     return run_dir, storage.join(run_dir, "checkpoints")
 
@@ -132,9 +135,9 @@ def initial_state(cfg, mesh, spec, checkpointer, log, make_input):
     resume, else load_full_state_path (with its input position when saved beside it) or load_parameters_path
     (input from its beginning), else a fresh init. make_input(position) makes the stream (position None: from
     its beginning)."""
-    from MaxText import checkpointing
-    from MaxText.state import create_state
-    from MaxText.storage import describe
+    # here, not at the top: JAX loads only after apply_xla_flags (XLA reads XLA_FLAGS once, at its start)
+    from MaxText.trainer import checkpointing
+    from MaxText.step.state import create_state
 
     def resumed(step, restored):
         state, saved_input = restored
@@ -213,10 +216,10 @@ class Evaluator:
     token-weighted mean cross-entropy of a state over them."""
 
     def __init__(self, cfg, spec, batch_sharding, global_batch: int):
+        # here, not at the top: JAX loads only after apply_xla_flags (XLA reads XLA_FLAGS once, at its start)
         import jax
 
-        from MaxText.data import make_data
-        from MaxText.train_step import jit_eval_step
+        from MaxText.step.train_step import jit_eval_step
 
         data = make_data(cfg, global_batch, jax.process_index(), jax.process_count(), split="eval")
         local = [next(data) for _ in range(cfg.eval_steps)] if cfg.eval_steps != -1 else _whole_split(data)
@@ -263,17 +266,18 @@ def train(cfg, log=print, devices=None, stop: StopFlag | None = None) -> dict | 
 
 
 def _train(cfg, log, devices, stop) -> dict | None:
+    # here, not at the top: JAX loads only after apply_xla_flags (XLA reads XLA_FLAGS once, at its start)
     import jax
     import numpy as np
     import tqdm
 
-    from MaxText import metrics as metrics_lib, sharding, storage
-    from MaxText.checkpointing import Checkpointer
-    from MaxText.profiler import Profiler
-    from MaxText.data import make_data, validate
+    from MaxText.trainer import metrics as metrics_lib
+    from MaxText.parallel import sharding
+    from MaxText.trainer.checkpointing import Checkpointer
+    from MaxText.trainer.profiler import Profiler
     from MaxText.layers.moe.te_kernels import check_available, moe_runtime
-    from MaxText.state import state_spec
-    from MaxText.train_step import jit_train_step
+    from MaxText.step.state import state_spec
+    from MaxText.step.train_step import jit_train_step
 
     if stop.before_first_step(log):
         return None
@@ -296,7 +300,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
         f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
 
     spec = state_spec(cfg, mesh)
-    from MaxText.plan import check_fits  # too big is a one-line error here, not a hang in XLA's allocator
+    from MaxText.planning.plan import check_fits  # too big is a one-line error here, not a hang in XLA's allocator
 
     check_fits(cfg, spec, dict(mesh.shape), num_devices, log)
     # One trainer per run directory: taken before anything is written there, held until the run returns.
@@ -323,7 +327,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
         evaluate = Evaluator(cfg, spec, batch_sharding, global_batch) if cfg.eval_interval != -1 else None
         writer = metrics_lib.MetricsWriter(outputs.local, tensorboard=cfg.enable_tensorboard, primary=primary,
                                            config=cfg.to_dict())
-        peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+        peak = flops.peak_tflops(jax.devices()[0].device_kind)
         tokens_per_step = global_batch * cfg.max_target_length
         progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not primary, unit="step",
                              dynamic_ncols=True, leave=False)
@@ -353,7 +357,7 @@ def _train(cfg, log, devices, stop) -> dict | None:
             progress.update(1)
             if step % cfg.log_period and step != cfg.steps:
                 return
-            tps, tflops, mfu = metrics_lib.throughput(cfg, tokens_per_step, num_devices, step_time, peak)
+            tps, tflops, mfu = flops.throughput(cfg, tokens_per_step, num_devices, step_time, peak)
             host.update(step_time_s=step_time, tokens_per_s_per_device=tps, tflops_per_device=tflops, mfu=mfu)
             last_record = writer.write(step, host)
             progress.write(metrics_lib.console_line(last_record))
@@ -418,8 +422,6 @@ def _main(argv, stop) -> int:
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     if cfg.xla_flags:  # an unknown flag would abort XLA at start with a C++ fatal error: say it in one line
-        from MaxText.xla_flags import check_flags
-
         problems = check_flags(cfg.xla_flags)
         if problems:
             print(f"error: xla_flags: {problems[0].message}", file=sys.stderr)
@@ -430,7 +432,8 @@ def _main(argv, stop) -> int:
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
     apply_xla_flags(cfg)  # before anything starts the JAX backend
-    from MaxText.checkpointing import CheckpointError, SaveTimeout
+    # here, not at the top: JAX loads only after apply_xla_flags (XLA reads XLA_FLAGS once, at its start)
+    from MaxText.trainer.checkpointing import CheckpointError, SaveTimeout
 
     try:
         maybe_initialize_distributed(cfg)

@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def te_standin():
     """Transformer Engine's real Python over the trace-only stand-in for its compiled extension (SM 90 unless a
     test switches it with te_trace.set_sm and switches back). Process-wide once installed."""
-    from MaxText.layers.moe import te_trace
+    from MaxText.planning import te_trace
 
     return te_trace.install(90)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText.config import ConfigError, load_config
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 from MaxText.layers.attention import chunked_attention, dot_product_attention
 from MaxText.layers.models import Transformer
 from tests.tiny import tiny_config

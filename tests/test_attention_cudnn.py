@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as fused
 
-from MaxText import sharding
+from MaxText.parallel import sharding
 from MaxText.layers import attention_cudnn
 from MaxText.layers.attention import attention, attention_mask, dot_product_attention
 from tests.tiny import tiny_config

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import forward
-from MaxText.config import load_config
+from MaxText.trainer import forward
+from MaxText.config.load import load_config
 from MaxText.utils.ckpt_conversion import to_maxtext
 from tests import hf_tiny
 
@@ -46,8 +46,10 @@ def test_bf16_release_imports_as_its_float32_values(tmp_path):
 
     config, tensors = hf_tiny.mixtral_or_qwen3("qwen3_moe", dtype=ml_dtypes.bfloat16)
     item, out, _ = imported(tmp_path, config, tensors, shards=1)
-    from MaxText import checkpointing, plan, sharding
-    from MaxText.state import state_spec
+    from MaxText.trainer import checkpointing
+    from MaxText.planning import plan
+    from MaxText.parallel import sharding
+    from MaxText.step.state import state_spec
 
     cfg = load_config(["configs/base.yml", f"model_name={out}/model.yml", *COMMON])
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
@@ -105,8 +107,10 @@ def _params(item, model_yml, *extra):
     """The imported params and routing biases on one device."""
     import jax
 
-    from MaxText import checkpointing, plan, sharding
-    from MaxText.state import state_spec
+    from MaxText.trainer import checkpointing
+    from MaxText.planning import plan
+    from MaxText.parallel import sharding
+    from MaxText.step.state import state_spec
 
     cfg = load_config(["configs/base.yml", f"model_name={model_yml}", *COMMON, *extra])
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
@@ -147,7 +151,7 @@ def test_deepseek_mtp_layer_is_skipped_when_the_config_drops_it(tmp_path):
     config, tensors = hf_tiny.deepseek_v3()
     item, out, lines = imported(tmp_path, config, tensors, "mtp_num_layers=0")
     assert any(line.startswith("not imported: the MTP layer (model.layers.3.*") for line in lines), lines
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
 
     assert "model.yml: mtp_num_layers=0 from the command line, not config.json's 1" in lines, lines
     params, _ = _params(item, f"{out}/model.yml")  # model.yml records the depth imported
@@ -350,7 +354,7 @@ def _keys(config, **changes):
     ("deepseek_v2", {"norm_topk_prob": True}, "does not renormalise"),
 ])
 def test_config_fields_not_understood_are_one_line(family, changes, phrase):
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
 
     config = hf_tiny.deepseek_v3()[0] if family.startswith("deepseek") else hf_tiny.mixtral_or_qwen3(family)[0]
     config = {**config, "model_type": family}

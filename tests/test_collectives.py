@@ -1,4 +1,4 @@
-"""MaxText.collectives reads a partitioned module's collectives right (kinds, bytes, groups, loop trips), and
+"""MaxText.planning.collectives reads a partitioned module's collectives right (kinds, bytes, groups, loop trips), and
 the train step, lowered on 8 simulated devices, moves what it should: weights gathered in the compute dtype
 with float32 gradient reduction, no token-wide gathers for routing, no float32 logits all-reduced."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from MaxText.collectives import count_collectives, largest, summarize
+from MaxText.planning.collectives import count_collectives, largest, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +96,7 @@ FSDP2_EP4 = TINY_DEEPSEEK + ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4
 # Both layouts lowered in one process (one JAX start-up), with XLA:CPU's backend optimisations off (conftest's
 # reason): they run after the module the counts are read from (dumped right after SPMD partitioning), so the JSON
 # is the same, ~20 s sooner per lowering (measured: 48 s -> 28 s of compile for FSDP4_EP2).
-_LOWERING = ("import json, sys; from MaxText import lowering; from MaxText.config import load_config; "
+_LOWERING = ("import json, sys; from MaxText.planning import lowering; from MaxText.config.load import load_config; "
              "print(json.dumps([lowering.lowered(load_config(a), backend_optimization=False) "
              "for a in json.loads(sys.argv[1])]))")
 
@@ -154,19 +154,19 @@ def test_no_collective_spans_every_token(tiny_deepseek_lowered):
 @pytest.mark.parametrize("argv,fixture", [(FSDP4_EP2, "tiny_deepseek_lowered"),
                                           (FSDP2_EP4, "tiny_deepseek_ep4_lowered")], ids=["fsdp4_ep2", "fsdp2_ep4"])
 def test_the_step_time_formulas_count_what_the_compiler_emits(argv, fixture, request):
-    """MaxText.steptime's volumes against the partitioned module, per device per step, within 10%: the FSDP
+    """MaxText.planning.steptime's volumes against the partitioned module, per device per step, within 10%: the FSDP
     all-gathers and reduce-scatters (weights per pass, the head per vocab tile, the gradient dtypes), and the EP
     exchange (XLA:CPU's fixed buffers: rows per peer x peers, its exchanges per layer under each remat policy);
     then the step-time model timing the module's groups agrees with its own formula."""
-    from MaxText import plan, steptime
-    from MaxText.config import load_config
+    from MaxText.planning import params, steptime
+    from MaxText.config.load import load_config
     from MaxText.layers.moe.ep import peer_capacity
 
     result = request.getfixturevalue(fixture)
     cfg = load_config(argv)
     mesh_shape = result["mesh"]
     layout = steptime.layout_from_config(cfg, mesh_shape, 8)
-    model = steptime.Model.from_config(cfg, plan.parameter_counts(cfg).total)
+    model = steptime.Model.from_config(cfg, params.parameter_counts(cfg).total)
     module = result["collectives"]["per_device_per_step"]
     formula = steptime.fsdp_collective_bytes(model, layout)
     for kind in ("all-gather", "reduce-scatter"):

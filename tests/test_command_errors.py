@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from MaxText import forward, plan, preflight, report
+from MaxText.trainer import forward, report
+from MaxText import plan as plan_command
 from MaxText.data import to_array_record
 from MaxText.utils.ckpt_conversion import check, from_upstream, to_huggingface, to_maxtext, to_upstream
 from tests import hf_tiny
@@ -250,14 +251,14 @@ CASES = [
     ("forward: a 100000-character --tokens", forward.main, _none, lambda p: _fw(p, "--tokens", f"{p.tmp}/{HUGE}"),
      "({huge_len} characters): cannot read it", None),
     # MaxText.plan
-    ("plan: --collectives missing", plan.main, _none, lambda p: ["configs/base.yml", f"--collectives={p.tmp}/nope"],
+    ("plan: --collectives missing", plan_command.main, _none, lambda p: ["configs/base.yml", f"--collectives={p.tmp}/nope"],
      "--collectives={tmp}/nope: not the JSON of", None),
-    ("plan: --collectives of garbage bytes", plan.main, _file("low.json", b"\xff\xfe\x00\x01"),
+    ("plan: --collectives of garbage bytes", plan_command.main, _file("low.json", b"\xff\xfe\x00\x01"),
      lambda p: ["configs/base.yml", f"--collectives={p.tmp}/low.json"], "--collectives={tmp}/low.json: not the JSON",
      None),
-    ("plan: a 100000-character config path", plan.main, _none, lambda p: [f"{p.tmp}/{HUGE}.yml"],
+    ("plan: a 100000-character config path", plan_command.main, _none, lambda p: [f"{p.tmp}/{HUGE}.yml"],
      "({huge_len_yml} characters) does not exist", None),
-    ("plan: a 100000-character --collectives", plan.main, _none,
+    ("plan: a 100000-character --collectives", plan_command.main, _none,
      lambda p: ["configs/base.yml", f"--collectives={p.tmp}/{HUGE}"], "({huge_len} characters): not the JSON", None),
     # MaxText.preflight
     ("preflight: recipe missing", preflight.main, _none, lambda p: [f"{p.tmp}/nope.yml", "--no-lowering"],
@@ -342,6 +343,6 @@ def test_a_mistake_is_one_line_exit_2_and_writes_nothing(label, main, setup, arg
 def test_the_table_covers_every_command():
     commands = {c[1] for c in CASES}
     assert commands == {to_maxtext.main, to_huggingface.main, to_upstream.main, from_upstream.main, check.main,
-                        forward.main, plan.main, preflight.main, report.main, to_array_record.main}
+                        forward.main, plan_command.main, preflight.main, report.main, to_array_record.main}
     for kind in ("missing", "a file for", "garbage", "output is a file", "beneath a file", "100000"):
         assert any(kind in c[0] for c in CASES), kind

@@ -1,4 +1,4 @@
-"""Tests of the configuration layer: MaxText/config.py and the mesh arithmetic in MaxText/sharding.py.
+"""Tests of the configuration layer: MaxText/config/ and the mesh arithmetic in MaxText/parallel/sharding.py.
 
 Covers: every shipped YAML loads; `base_config:` chains; `model_name` merging; unknown keys with a
 suggestion; typing of values; the cross-key checks; mesh sizes against the device count; the global
@@ -18,8 +18,11 @@ import sys
 import pytest
 import yaml
 
-from MaxText import config, sharding
-from MaxText.config import MESH_AXES, ConfigError, load_config
+from MaxText.config import checks, parse, load as config
+from MaxText.parallel import sharding
+from MaxText.config.checks import MESH_AXES
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO_ROOT, "configs")
@@ -66,7 +69,7 @@ def _shipped_configs() -> list:
 def test_shipped_config_loads_and_validates(argv):
     cfg = load_config(argv)  # load_config runs every check_* function
     assert cfg.is_locked, "load_config should return a locked ConfigDict"
-    config.validate(cfg)
+    checks.validate(cfg)
 
 
 def test_no_arguments_loads_base_defaults():
@@ -116,11 +119,11 @@ def test_base_config_cycle_raises(tmp_path):
 
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
-    """A config dir with a copy of base.yml and models/foo.yml, installed as config.CONFIG_DIR."""
+    """A config dir with a copy of base.yml and models/foo.yml, installed as parse.CONFIG_DIR."""
     shutil.copy(BASE_YML, tmp_path / "base.yml")
     write_yaml(tmp_path / "models" / "foo.yml", "base_emb_dim: 256\nbase_num_decoder_layers: 8\nvocab_size: 1024\n")
-    monkeypatch.setattr(config, "CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(config, "BASE_CONFIG", str(tmp_path / "base.yml"))
+    monkeypatch.setattr(parse, "CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(parse, "BASE_CONFIG", str(tmp_path / "base.yml"))
     return tmp_path
 
 
@@ -166,7 +169,7 @@ def test_a_copy_of_upstreams_base_yml_yields_to_the_model_file(tmp_path):
     """Upstream's base.yml sets every model key; with model_name its values are defaults the model file
     replaces (MaxText's precedence), so base.yml + model_name=mixtral-8x7b is Mixtral, not the dense 1.1B default.
     A value in that root file that is no default and clashes with the model file is an error."""
-    from MaxText import upstream
+    from MaxText.config import upstream
     base = dict(upstream.upstream_defaults(), hardware="cpu")
     path = tmp_path / "base.yml"
     path.write_text(yaml.safe_dump(base))
@@ -222,8 +225,8 @@ def test_unknown_model_name_raises(model_dir):
 def test_unknown_model_name_raises_config_error_without_models_dir(tmp_path, monkeypatch):
     # git does not keep empty folders, so a fresh checkout may have no configs/models at all.
     shutil.copy(BASE_YML, tmp_path / "base.yml")
-    monkeypatch.setattr(config, "CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(config, "BASE_CONFIG", str(tmp_path / "base.yml"))
+    monkeypatch.setattr(parse, "CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(parse, "BASE_CONFIG", str(tmp_path / "base.yml"))
     assert_config_error(["model_name=bar"], "model_name", "bar")
 
 
@@ -275,7 +278,7 @@ def test_float_in_exponent_notation_is_accepted():
 
 
 def test_null_on_command_line_unsets_optional_string_keys():
-    keys = [k for k, t in config.OPTIONAL_KEY_TYPES.items() if t is str]
+    keys = [k for k, t in parse.OPTIONAL_KEY_TYPES.items() if t is str]
     values = {k: load_config([f"{k}=null"])[k] for k in keys}
     not_unset = {k: v for k, v in values.items() if v is not None}
     assert not_unset == {}, f"`key=null` should unset these keys (None), but they hold strings: {not_unset}"

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 from MaxText.data import make_data, python_stdlib, tfds_data, validate
 from MaxText.data.tfds_data import KEYS, TfdsData
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -313,7 +313,7 @@ def test_hugging_face_tokenizer_without_bos(data_dir, tmp_path):
 
 def test_default_data_dir(data_dir, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
-    assert tfds_data.default_data_dir() == "/cache/maxtext_moe/tensorflow_datasets"
+    assert python_stdlib.default_data_dir() == "/cache/maxtext_moe/tensorflow_datasets"
     assert tfds_data.data_dir(config("null")) == "/cache/maxtext_moe/tensorflow_datasets"
     assert tfds_data.data_dir(config(data_dir)) == data_dir
 

@@ -130,7 +130,8 @@ def test_a_parquet_row_past_the_checked_ones_is_named_by_file_and_row(tmp_path, 
 def test_the_position_is_unchanged_by_a_batch_given_up(tmp_path):
     """The pipeline itself: a batch that meets bad data raises DataError and leaves state() where the batch began,
     and the next call tries the same documents again (here still bad: the same error)."""
-    from MaxText.data import DataError, make_data
+    from MaxText.data import make_data
+    from MaxText.data.records import DataError
     from tests.tiny import tiny_config
 
     path, index = grain_file(tmp_path / "ids.array_record", example_bytes([5, 400], "ids"))

@@ -5,7 +5,7 @@ on CPU under every moe_impl, and the three give the same losses."""
 import numpy as np
 import pytest
 
-from MaxText.config import load_config
+from MaxText.config.load import load_config
 from tests.tiny import train_records
 
 IMPLS = {"dense": ["moe_impl=dense"], "ragged": ["moe_impl=ragged"],
@@ -63,7 +63,7 @@ def test_every_router_counts_its_drops_in_training_and_evaluation(tmp_path):
                                rtol=1e-6)
     assert min(evals[0]["eval_moe_overflow"]) > 0
     # The report of this run (MTP and eval: it used to crash) draws every plot, naming decoder layers and the depth
-    from MaxText import report
+    from MaxText.trainer import report
 
     paths = report.write_report(str(tmp_path / "drops"), log=lambda *_: None)
     assert [p.rsplit("/", 1)[1] for p in paths] == ["loss.png", "throughput.png", "expert_load.png", "moe_balance.png"]

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError, load_config
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 from tests.tiny import TINY, losses, train_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +96,7 @@ def _free_port() -> int:
      "set one of the two"),
 ])
 def test_inconsistent_launch_variables_stop_in_one_line_before_jax(env, needle):
-    from MaxText.distributed import launch_kwargs
+    from MaxText.parallel.distributed import launch_kwargs
     with pytest.raises(ConfigError, match=re.escape(needle)):
         launch_kwargs(env)
     result = subprocess.run([sys.executable, "-m", "MaxText.train", "steps=1"], cwd=ROOT, capture_output=True,
@@ -105,7 +106,7 @@ def test_inconsistent_launch_variables_stop_in_one_line_before_jax(env, needle):
 
 
 def test_launch_variables_read_as_jax_distributed_arguments():
-    from MaxText.distributed import launch_kwargs, process_count
+    from MaxText.parallel.distributed import launch_kwargs, process_count
     up = {"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "1234", "NNODES": "4", "NODE_RANK": "3"}
     assert launch_kwargs(up) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
     ours = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}

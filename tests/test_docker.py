@@ -307,7 +307,7 @@ def test_base_image_is_pinned_and_new_enough():
 
 
 def test_entry_point_is_the_trainer_and_the_default_command_loads():
-    from MaxText.config import load_config
+    from MaxText.config.load import load_config
 
     found = {keyword: rest for _, keyword, rest in dockerfile()}
     entrypoint, cmd = json.loads(found["ENTRYPOINT"]), json.loads(found["CMD"])

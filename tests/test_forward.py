@@ -6,10 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, forward, sharding
-from MaxText.config import load_config
-from MaxText.state import state_spec
-from MaxText.train_step import jit_eval_step
+from MaxText.trainer import checkpointing, forward
+from MaxText.parallel import sharding
+from MaxText.config.load import load_config
+from MaxText.step.state import state_spec
+from MaxText.step.train_step import jit_eval_step
 from tests.tiny import TINY, args, train_records
 
 

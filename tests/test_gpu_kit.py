@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from MaxText.benchmarks import ep_check, gpu_check
-from MaxText.layers.moe import te_kernels, te_trace
+from MaxText.layers.moe import te_kernels
+from MaxText.planning import te_trace
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
 from tests import test_te_dropless as gpu_tests
@@ -84,8 +85,8 @@ def test_gpu_tests_te_calls_trace(te_standin):
 
 
 def _ep_setup(kernels):
-    from MaxText import sharding
-    from MaxText.config import global_batch_size
+    from MaxText.parallel import sharding
+    from MaxText.config.load import global_batch_size
 
     cfg = ep_check.layer_config(EP_PROBLEM, jax.device_count(), kernels)
     mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from MaxText.data import BATCH_KEYS, DataError, grain_data, make_data, validate
+from MaxText.data import grain_data, make_data, validate
+from MaxText.data.records import BATCH_KEYS, DataError
 from MaxText.data.grain_data import GrainData, document_of
 from MaxText.data.to_array_record import example_bytes, main
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer

@@ -14,8 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from MaxText.config import ConfigError
-from MaxText.data import BATCH_KEYS, make_data, validate
+from MaxText.config.errors import ConfigError
+from MaxText.data import make_data, validate
+from MaxText.data.records import BATCH_KEYS
 from MaxText.data.hf_data import HfData, process_parts
 from MaxText.data.tokenizer import ByteTokenizer
 from tests.corpora import L, SPLITS, TRAIN_DOCS, shard_paths, shards, write_parquet

@@ -10,8 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from MaxText import forward
-from MaxText.config import load_config
+from MaxText.trainer import forward
+from MaxText.config.load import load_config
 from MaxText.utils.ckpt_conversion import check, to_huggingface, to_maxtext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.losses import cross_entropy
+from MaxText.layers.losses import cross_entropy
 
 
 def _case(b=3, l=5, d=8, v=11, seed=0):

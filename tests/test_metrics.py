@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from MaxText import metrics
-from MaxText.config import load_config
+from MaxText.planning import flops
+from MaxText.trainer import metrics
+from MaxText.config.load import load_config
 from tests.tiny import tiny_config
 
 
@@ -18,23 +19,23 @@ def test_model_flops_per_token_counts_each_matmul():
     dense_mlp = 3 * 2 * d * 64
     moe = 2 * d * 4 + 2 * 3 * 2 * d * 32  # router + two active experts
     forward = 3 * attention + dense_mlp + 2 * moe + 2 * d * v
-    assert metrics.model_flops_per_token(cfg) == pytest.approx(3 * forward)
+    assert flops.model_flops_per_token(cfg) == pytest.approx(3 * forward)
 
 
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA GH200 480GB", 989.0),
                                        ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("cpu", None),
                                        ("TPU v5 lite", None)])
 def test_peak_table(kind, peak):
-    assert metrics.peak_tflops(kind) == peak
+    assert flops.peak_tflops(kind) == peak
 
 
 def test_throughput_and_mfu():
     cfg = tiny_config()
-    tps, tflops, mfu = metrics.throughput(cfg, tokens_per_step=4096, num_devices=8, step_time_s=0.5, peak=1000.0)
+    tps, tflops, mfu = flops.throughput(cfg, tokens_per_step=4096, num_devices=8, step_time_s=0.5, peak=1000.0)
     assert tps == 4096 / 0.5 / 8
-    assert tflops == pytest.approx(metrics.model_flops_per_token(cfg) * tps / 1e12)
+    assert tflops == pytest.approx(flops.model_flops_per_token(cfg) * tps / 1e12)
     assert mfu == pytest.approx(tflops / 1000.0)
-    assert metrics.throughput(cfg, 4096, 8, 0.5, None)[2] is None
+    assert flops.throughput(cfg, 4096, 8, 0.5, None)[2] is None
 
 
 class FakeTensorBoard:
@@ -105,8 +106,8 @@ def test_mla_and_mtp_flops():
     d, h, rq, rkv, nope, rope, v, length = 64, 4, 32, 16, 16, 8, 16, 16
     attention = 2 * (d * rq + rq * h * (nope + rope) + d * (rkv + rope) + rkv * h * (nope + v) + h * v * d) \
         + 2 * h * (nope + rope + v) * length / 2
-    assert metrics.attention_flops_per_token(cfg) == pytest.approx(attention)
+    assert flops.attention_flops_per_token(cfg) == pytest.approx(attention)
     moe = 2 * d * 16 + (4 + 1) * 2 * 3 * d * 32
     forward = 4 * attention + 2 * 3 * d * 128 + 3 * moe + 2 * d * 512
     mtp = 2 * 2 * d * d + attention + moe + 2 * d * 512
-    assert metrics.model_flops_per_token(cfg) == pytest.approx(3 * (forward + mtp))
+    assert flops.model_flops_per_token(cfg) == pytest.approx(3 * (forward + mtp))

@@ -8,7 +8,7 @@ from flax import nnx
 
 from MaxText.layers.attention import Attention
 from MaxText.layers.models import Transformer
-from MaxText.train_step import loss_fn
+from MaxText.step.train_step import loss_fn
 from tests.tiny import tiny_config
 
 B, L = 2, 16

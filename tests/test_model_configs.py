@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from MaxText import sharding
-from MaxText.config import CONFIG_DIR, global_batch_size, load_config
-from MaxText.plan import parameter_counts
+from MaxText.parallel import sharding
+from MaxText.config.parse import CONFIG_DIR
+from MaxText.config.load import global_batch_size, load_config
+from MaxText.planning.plan import parameter_counts
 
 # name: (total parameters, active parameters per token), as published (model cards and reports). DeepSeek-V3's
 # 671B excludes its Multi-Token Prediction module (test_deepseek3_with_mtp covers the ~685B with it).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from MaxText.config import load_config
+from MaxText.config.load import load_config
 from MaxText.layers.moe import dense, router
 from MaxText.layers.moe.block import ExpertWeights, MoeBlock
 from tests.moe_reference import capacity_kept_reference, moe_reference
@@ -376,7 +376,7 @@ def test_the_default_is_dropless_and_dense_refuses_quadratic_masks():
     """moe_impl defaults to ragged (dropless, as MaxText's default). dense without a capacity builds float32
     [S, E, S] masks per sequence: 8 GiB each for qwen3-30b-a3b at 4K, refused in one line naming the fix;
     capped, or at a short sequence, it loads."""
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
 
     assert load_config(["model_name=qwen3-30b-a3b", "max_target_length=4096"]).moe_impl == "ragged"
     with pytest.raises(ConfigError, match=r"8\.0 GiB per sequence .* use moe_impl=ragged") as raised:
@@ -389,7 +389,7 @@ def test_the_default_is_dropless_and_dense_refuses_quadratic_masks():
 def test_plan_counts_dense_buffers_whole_under_expert_parallelism():
     """dense's [E, G, C] buffer is split over `expert` on E while its batch G is gathered by the same factor:
     a device holds E x its own G x C rows at any EP size (the plan used to divide by EP)."""
-    from MaxText import plan
+    from MaxText.planning import plan
 
     cfg = load_config(["moe_impl=dense", "capacity_factor=1.0", "max_target_length=64", "num_experts=8"])
     t = 4 * 64

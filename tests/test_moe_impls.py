@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.parallel import sharding
 from MaxText.layers.moe.block import MOE_FFNS, ExpertWeights
 from MaxText.layers.moe.router import Routing
 from tests.moe_reference import moe_reference

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from MaxText.config import load_config
+from MaxText.config.load import load_config
 from tests.tiny import TINY, args, losses, train_records
 
 EP_MESH = ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "per_device_batch_size=1"]
@@ -86,8 +86,8 @@ def test_gradient_accumulation_is_the_same_update_as_the_whole_batch(tmp_path):
 
 
 def test_gradient_accumulation_must_split_each_shard():
-    from MaxText import sharding
-    from MaxText.config import ConfigError
+    from MaxText.parallel import sharding
+    from MaxText.config.errors import ConfigError
 
     cfg = load_config(args(TINY, ["per_device_batch_size=2", "gradient_accumulation_steps=4"]))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 must divide each data shard's 2 rows"):

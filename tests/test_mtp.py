@@ -7,7 +7,7 @@ from flax import nnx
 
 from MaxText.layers.models import Transformer
 from MaxText.layers.mtp import shift_left
-from MaxText.train_step import loss_fn
+from MaxText.step.train_step import loss_fn
 from tests.tiny import tiny_config
 
 B, L = 2, 16
@@ -62,9 +62,9 @@ def test_mtp_loss_matches_explicit_per_position_reference():
 
 def test_mtp_depth_routing_bias_is_updated():
     """With routed_bias, the MTP depth's MoE router is balanced too: its bias leaves zero after a step."""
-    from MaxText import sharding
-    from MaxText.state import create_state, state_spec
-    from MaxText.train_step import jit_train_step
+    from MaxText.parallel import sharding
+    from MaxText.step.state import create_state, state_spec
+    from MaxText.step.train_step import jit_train_step
 
     cfg = tiny_config("mtp_num_layers=1", "routed_score_func=sigmoid", "routed_bias=true", "norm_topk_prob=true",
                       "routed_bias_update_rate=0.01", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",

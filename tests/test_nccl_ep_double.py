@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText import sharding
+from MaxText.parallel import sharding
 from MaxText.layers.moe import layout, te_dropless, te_kernels
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
-from MaxText.optimizers import learning_rate_schedule
+from MaxText.config.errors import ConfigError
+from MaxText.step.optimizers import learning_rate_schedule
 from tests.tiny import tiny_config
 
 

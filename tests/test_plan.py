@@ -9,11 +9,14 @@ import os
 import jax
 import pytest
 
-from MaxText import plan, sharding
-from MaxText.config import CONFIG_DIR, load_config
-from MaxText.data import abstract_batch
-from MaxText.state import state_spec
-from MaxText.train_step import jit_train_step
+from MaxText import plan as plan_command
+from MaxText.planning import plan
+from MaxText.parallel import sharding
+from MaxText.config.parse import CONFIG_DIR
+from MaxText.config.load import load_config
+from MaxText.data.records import abstract_batch
+from MaxText.step.state import state_spec
+from MaxText.step.train_step import jit_train_step
 from tests.tiny import args
 
 
@@ -53,7 +56,7 @@ def test_start_up_refuses_only_beyond_the_estimate_margin():
     """check_fits (the trainer's start-up check): an estimate 1.2x the device memory is a warning (it is within
     the plan's 25% error), 1.5x is a one-line ConfigError giving the estimate and the limit; within HEADROOM
     nothing is said."""
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
 
     cfg = load_config(args(COMMON, ["model_name=deepseek3-tiny"]))
     mesh_shape = sharding.mesh_shape(cfg, 1)
@@ -77,7 +80,7 @@ def test_start_up_refuses_only_beyond_the_estimate_margin():
 def test_on_cpu_without_hbm_gib_the_host_memory_is_the_limit(monkeypatch):
     """CPU devices share the host's memory: without hbm_gib, a run is checked against it over the local CPU
     devices (upstream's base.yml with hardware=cpu used to be killed by the OOM killer with no word)."""
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
 
     cfg = load_config(args(COMMON, ["model_name=deepseek3-tiny"]))
     mesh_shape = sharding.mesh_shape(cfg, 1)
@@ -143,14 +146,14 @@ def test_dropless_worst_case_does_not_fit_the_gb200_recipe():
 
 def test_command_line_table_json_and_errors(capsys):
     recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
-    assert plan.main([recipe]) == 0
+    assert plan_command.main([recipe]) == 0
     table = capsys.readouterr().out
     assert "682.64B total (671.03B without MTP)" in table and "verdict: fits in 184 GiB" in table, table
-    assert plan.main([recipe, "--json"]) == 0
+    assert plan_command.main([recipe, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["mesh"] == {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}
     assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
-    assert plan.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
+    assert plan_command.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
 

@@ -7,9 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from MaxText import preflight, sharding
-from MaxText.config import CONFIG_DIR, ConfigError, load_config
-from MaxText.hardware import GPU_PROFILES, simulated_devices
+from MaxText.planning import preflight
+from MaxText.parallel import sharding
+from MaxText.config.parse import CONFIG_DIR
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.config.hardware import GPU_PROFILES, simulated_devices
 from tests.tiny import tiny_config
 
 GB200 = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
@@ -119,7 +122,7 @@ def test_uneven_slices_are_refused():
 
 def test_the_pool_reaches_xla_before_it_starts():
     """host_memory_limit_gb becomes XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (apply_xla_flags runs before JAX starts)."""
-    from MaxText.config import apply_xla_flags
+    from MaxText.config.load import apply_xla_flags
 
     environ = {}
     apply_xla_flags(load_config([GB200]), environ)
@@ -162,7 +165,7 @@ def test_pre_training_recipes_train_as_deepseek_v3_did(recipe):
     """DeepSeek-V3's published pre-training: plain RoPE at 4K (YaRN came later), AdamW with bf16 first moment,
     clip 1.0, 2000 warmup steps to 2.2e-4, held, cosine to 2.2e-5 over the last 29%; checkpoints and
     evaluations in the thousands of steps. The recipes' first versions had YaRN at 4K and a 3e-3 peak."""
-    from MaxText.optimizers import learning_rate_schedule
+    from MaxText.step.optimizers import learning_rate_schedule
 
     cfg = load_config([os.path.join(CONFIG_DIR, "gpu", recipe)])
     assert cfg.rope_type == "default" and cfg.max_target_length == 4096
@@ -176,7 +179,7 @@ def test_pre_training_recipes_train_as_deepseek_v3_did(recipe):
 
 
 def test_the_context_extension_recipe_applies_yarn_beyond_4k():
-    from MaxText.optimizers import learning_rate_schedule
+    from MaxText.step.optimizers import learning_rate_schedule
 
     cfg = load_config([os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-16k-gb200-128.yml")])
     assert cfg.rope_type == "yarn" and cfg.max_target_length > cfg.original_max_position_embeddings == 4096

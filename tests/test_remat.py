@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from MaxText import sharding
-from MaxText.config import REMAT_TENSOR_NAMES
+from MaxText.parallel import sharding
+from MaxText.config.checks import REMAT_TENSOR_NAMES
 from MaxText.layers.models import Transformer
 from tests.tiny import tiny_config
 

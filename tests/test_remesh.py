@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import sharding
-from MaxText.checkpointing import Checkpointer
-from MaxText.config import load_config
-from MaxText.state import state_spec
+from MaxText.parallel import sharding
+from MaxText.trainer.checkpointing import Checkpointer
+from MaxText.config.load import load_config
+from MaxText.step.state import state_spec
 from tests.tiny import TINY, args, train_records
 
 NUM_EXPERTS = 8  # so that an expert axis of 8 divides it

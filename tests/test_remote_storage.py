@@ -9,9 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, sharding, storage
-from MaxText.config import ConfigError, load_config
-from MaxText.state import state_spec
+from MaxText.trainer import checkpointing
+from MaxText.parallel import sharding
+from MaxText.config import storage
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.step.state import state_spec
 from MaxText.train import train
 from tests.gcs_emulator import BUCKET, emulator
 from tests.tiny import TINY, args, losses, train_records
@@ -82,7 +85,7 @@ def test_checkpoints_in_a_bucket_load_bit_for_bit(runs):
 
 
 def test_the_report_reads_and_writes_a_run_in_a_bucket(runs):
-    from MaxText.report import write_report
+    from MaxText.trainer.report import write_report
 
     paths = write_report(runs["remote"], log=lambda *_: None)
     assert paths[0] == f"{runs['remote']}/metrics/loss.png" and len(paths) == 4, paths
@@ -106,7 +109,7 @@ def test_what_cannot_reach_a_bucket_says_so_in_one_line(monkeypatch, tmp_path):
     """gs:// without gcsfs names the package; the checkpoint converters read and write local paths only."""
     import importlib.util
 
-    from MaxText.config_checks import remote_path_error
+    from MaxText.config.checks import remote_path_error
     from MaxText.utils.ckpt_conversion.orbax_io import split_paths
 
     real = importlib.util.find_spec

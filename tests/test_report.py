@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from MaxText import report
+from MaxText.trainer import report
 
 LOG_PERIOD, EXPERTS = 5, 4
 # Token-slots per expert in the 2 MoE layers: layer 0's expert 2 and layer 1's expert 0 are hot.
@@ -62,10 +62,10 @@ def test_train_step_logs_the_keys_the_report_reads():
 
     import jax
 
-    from MaxText import sharding
-    from MaxText.data import abstract_batch
-    from MaxText.state import state_spec
-    from MaxText.train_step import train_step
+    from MaxText.parallel import sharding
+    from MaxText.data.records import abstract_batch
+    from MaxText.step.state import state_spec
+    from MaxText.step.train_step import train_step
     from tests.tiny import tiny_config
 
     cfg = tiny_config()

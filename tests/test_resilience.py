@@ -12,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, config_checks
-from MaxText.config import load_config
-from MaxText.state import state_spec
+from MaxText.trainer import checkpointing
+from MaxText.config import checks as config_checks
+from MaxText.config.load import load_config
+from MaxText.step.state import state_spec
 from MaxText.train import NonFiniteError, main, train
 from tests.tiny import TINY as _TINY, args as tiny_args, losses, train_records
 
@@ -37,7 +38,7 @@ def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys
     assert "stopping" in err and err.count("\n") == 1, err
     cfg = load_config(args)
     mesh_devices = jax.devices()
-    from MaxText import sharding
+    from MaxText.parallel import sharding
 
     spec = state_spec(cfg, sharding.create_mesh(cfg, mesh_devices))
     ckpt = checkpointing.Checkpointer(cfg, os.path.join(tmp_path, "nan", "checkpoints"))
@@ -136,7 +137,7 @@ def _garble(step_dir):
 def test_checkpoint_holds_the_input_position(six_steps):
     run_dir, _, args = six_steps
     cfg = load_config(args)
-    spec = state_spec(cfg, __import__("MaxText.sharding").sharding.create_mesh(cfg, jax.devices()))
+    spec = state_spec(cfg, __import__("MaxText.parallel.sharding").parallel.sharding.create_mesh(cfg, jax.devices()))
     ckpt = checkpointing.Checkpointer(cfg, str(run_dir / "checkpoints"))
     assert ckpt.restore(4, spec.abstract)[1] == {"process_count": 1, "positions": [{"batches": 4}]}
     ckpt.close()
@@ -193,7 +194,7 @@ def test_a_step_without_its_checksums_is_trusted_only_when_it_predates_them(tmp_
         del old["item_handlers"]["checksums"]
         meta.write_text(json.dumps(old))
     cfg = load_config(tiny_args(args, [f"base_output_directory={tmp_path}"]))
-    spec = state_spec(cfg, __import__("MaxText.sharding").sharding.create_mesh(cfg, jax.devices()))
+    spec = state_spec(cfg, __import__("MaxText.parallel.sharding").parallel.sharding.create_mesh(cfg, jax.devices()))
     lines = []
     ckpt = checkpointing.Checkpointer(cfg, str(run_dir / "checkpoints"), log=lines.append)
     try:
@@ -369,7 +370,7 @@ def test_a_failed_async_save_is_one_line_as_soon_as_it_is_known(tmp_path):
     """An asynchronous save that fails (the disk filled, the mount went away) is reported at the first step
     after Orbax knows, naming the path, the OS's reason and the newest durable checkpoint; it used to be
     reported as saved, surfacing only at the next save after hundreds of traceback lines."""
-    from MaxText.checkpointing import CheckpointError, Checkpointer
+    from MaxText.trainer.checkpointing import CheckpointError, Checkpointer
 
     cfg = load_config(tiny_args(TINY, [f"base_output_directory={tmp_path}", "run_name=fail"]))
     checkpointer = Checkpointer(cfg, str(tmp_path / "fail" / "checkpoints"))
@@ -466,8 +467,8 @@ def test_a_failed_background_save_stops_the_run_within_one_step_of_orbax_knowing
     error, however many steps ran during the save."""
     from orbax.checkpoint.checkpoint_manager import CheckpointManager
 
-    from MaxText.checkpointing import CheckpointError
-    from MaxText.profiler import Profiler
+    from MaxText.trainer.checkpointing import CheckpointError
+    from MaxText.trainer.profiler import Profiler
 
     begun, known = [], []
     before_step = Profiler.before_step
@@ -603,9 +604,9 @@ def test_other_files_the_trainer_writes_cannot_be_redirected_by_a_symlink(tmp_pa
     """The dataset build lock is never opened through a symlink (one-line ConfigError, target untouched), and
     TensorBoard's events file (opened "wb", truncating) has a random part in its name, so no symlink can be
     waiting at it: two writers in the same second on the same host get different files."""
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
     from MaxText.data import python_stdlib
-    from MaxText.metrics import MetricsWriter
+    from MaxText.trainer.metrics import MetricsWriter
 
     target = tmp_path / "elsewhere.txt"
     target.write_text("keep\n")

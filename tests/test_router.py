@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 from MaxText.layers.moe import router
 from tests.tiny import tiny_config
 

@@ -1,4 +1,4 @@
-"""One trainer per run directory (MaxText/run_lock.py), automatic run names that cannot collide, and names
+"""One trainer per run directory (MaxText/trainer/run_lock.py), automatic run names that cannot collide, and names
 that cannot lead out of their directories."""
 
 import os
@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from MaxText.config import ConfigError, load_config
-from MaxText.run_lock import RunLock, automatic_run_name
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.trainer.run_lock import RunLock, automatic_run_name
 from tests.tiny import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ def test_a_second_holder_is_refused_with_the_first_named(tmp_path):
 def test_the_os_releases_the_lock_of_a_killed_trainer(tmp_path):
     """SIGKILL leaves no cleanup behind; the lock goes with the process (the lock file stays, harmlessly)."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from MaxText.run_lock import RunLock; "
+        [sys.executable, "-c", "import sys, time; from MaxText.trainer.run_lock import RunLock; "
                                f"RunLock({str(tmp_path)!r}).__enter__(); print('held', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

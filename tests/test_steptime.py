@@ -1,4 +1,4 @@
-"""The step-time model (MaxText.steptime): its routing arithmetic against sampling, its terms against the links
+"""The step-time model (MaxText.planning.steptime): its routing arithmetic against sampling, its terms against the links
 they cross, this trainer's layout read from a recipe, and its error against published runs."""
 
 import glob
@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from MaxText import plan, steptime
-from MaxText.config import load_config
+from MaxText import plan as plan_command
+from MaxText.planning import params, plan, steptime
+from MaxText.config.load import load_config
 
 GB200_RECIPE = os.path.join("configs", "gpu", "deepseek3-671b-gb200-128.yml")
 
@@ -120,10 +121,10 @@ def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
         8, 16, 128, 8, 64)
     assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "gpu"
     assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
-    assert plan.main([GB200_RECIPE]) == 0
+    assert plan_command.main([GB200_RECIPE]) == 0
     table = capsys.readouterr().out
-    assert "step time (MaxText.steptime on gb200; collectives from the formulas)" in table and "tokens/s/GPU" in table, table
-    assert plan.main(["--validate"]) == 0
+    assert "step time (MaxText.planning.steptime on gb200; collectives from the formulas)" in table and "tokens/s/GPU" in table, table
+    assert plan_command.main(["--validate"]) == 0
     assert "DeepSeek-V3 pre-training, 2048 H800" in capsys.readouterr().out
 
 
@@ -148,7 +149,7 @@ def test_search_ranks_fitting_layouts_and_the_recipes_are_near_the_best():
     """--search on the H100 recipe: every candidate listed fits, they are ranked by modelled tokens/s/GPU, the
     best's overrides plan to exactly its numbers, and the shipped layout is the search's best mesh and batch
     (the earlier FSDP-32-across-nodes layout modelled 3.5x slower)."""
-    from MaxText.layout_search import search
+    from MaxText.planning.layout_search import search
 
     recipe = os.path.join("configs", "gpu", "deepseek3-671b-h100-256.yml")
     result = search([recipe], top=3)
@@ -175,13 +176,13 @@ def test_plan_times_a_lowerings_collectives_group_by_group(tmp_path, capsys):
     cfg = load_config([GB200_RECIPE])
     mesh_shape = plan.sharding.mesh_shape(cfg, cfg.num_devices)
     layout = steptime.layout_from_config(cfg, mesh_shape, cfg.num_devices)
-    model = steptime.Model.from_config(cfg, plan.parameter_counts(cfg).total)
+    model = steptime.Model.from_config(cfg, params.parameter_counts(cfg).total)
     axes = {"dense": (["fsdp", "expert"], layout.fsdp_dense), "expert": (["fsdp"], layout.fsdp)}
     by_group = [{"kind": kind, "axes": axes[part][0], "group": axes[part][1], "count": 1, "bytes": b}
                 for part, kinds in steptime.fsdp_collective_bytes(model, layout).items() for kind, b in kinds.items()]
     path = tmp_path / "lowering.json"
     path.write_text("lowering log line\n" + json.dumps({"ok": True, "collectives": {"by_group": by_group}}))
-    assert plan.main([GB200_RECIPE, f"--collectives={path}", "--json"]) == 0
+    assert plan_command.main([GB200_RECIPE, f"--collectives={path}", "--json"]) == 0
     module = json.loads(capsys.readouterr().out)["step_time"]
     formula = plan.plan(cfg)["step_time"]
     assert module["collectives_from"] == "compiled module" and formula["collectives_from"] == "formulas"
@@ -192,6 +193,6 @@ def test_plan_times_a_lowerings_collectives_group_by_group(tmp_path, capsys):
     assert doubled["fsdp"] == pytest.approx(2 * formula["comm_s"]["fsdp"], rel=1e-9)
 
     path.write_text('{"ok": false, "error": "boom"}')
-    assert plan.main([GB200_RECIPE, f"--collectives={path}"]) == 2
+    assert plan_command.main([GB200_RECIPE, f"--collectives={path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --collectives={path}: not the JSON") and "\n" not in err, err

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 from MaxText.layers.moe import te_dropless, te_kernels
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
@@ -64,7 +64,7 @@ def test_te_options_are_validated():
 # (MaxText.benchmarks.gpu_check runs them). TE's outputs are compared with references that do not go through
 # TE: router.select_experts, and grouped GEMMs computed per group in float64 with numpy. Each check is a
 # function of the kernel under test, so tests/test_gpu_kit.py can show on CPU that it fails on a wrong one
-# and traces TE's calls through MaxText/layers/moe/te_trace.py.
+# and traces TE's calls through MaxText/planning/te_trace.py.
 ROUTER_TOKENS = 2048
 ROUTER_TOL = 1e-5  # TE's fused-router tolerance (fp32, atol = rtol)
 # name: (config overrides, whether TE's fused_topk_with_score_function itself has the reference's semantics).

@@ -1,7 +1,7 @@
 """Transformer Engine's real Python traced on CPU (marker `te_trace`): every TE call site of te_dropless, through
 the project's own code, forward and gradient, on the five test meshes, then partitioned by TE's own rules.
 
-MaxText/layers/moe/te_trace.py stands in for TE's compiled extension (fixture `te_standin`, SM 90 unless a
+MaxText/planning/te_trace.py stands in for TE's compiled extension (fixture `te_standin`, SM 90 unless a
 test switches it). Tracing proves calls, shapes, dtypes, custom VJPs and shardings; it runs no kernel (the
 references and tests/nccl_ep_double.py prove the numbers; only a GPU proves TE's kernels).
 """
@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from MaxText import sharding
-from MaxText.config import ConfigError, global_batch_size
-from MaxText.data import abstract_batch
-from MaxText.layers.moe import layout, te_dropless, te_kernels, te_trace
+from MaxText.parallel import sharding
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import global_batch_size
+from MaxText.data.records import abstract_batch
+from MaxText.layers.moe import layout, te_dropless, te_kernels
+from MaxText.planning import te_trace
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing
-from MaxText.state import state_spec
-from MaxText.train_step import jit_train_step
+from MaxText.step.state import state_spec
+from MaxText.step.train_step import jit_train_step
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.te_trace

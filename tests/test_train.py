@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, sharding
-from MaxText.config import load_config
-from MaxText.state import state_spec
+from MaxText.trainer import checkpointing
+from MaxText.parallel import sharding
+from MaxText.config.load import load_config
+from MaxText.step.state import state_spec
 from tests.tiny import TINY, args, losses, train_records
 
 
@@ -141,7 +142,7 @@ def test_load_parameters_path_restores_params_only(tmp_path, uninterrupted):
 def test_load_parameters_path_restores_the_routing_bias(tmp_path):
     """A DeepSeek-style model's routing biases come with its params (they used to restart at zero, re-routing
     every token at step 0), and the log line says so."""
-    from MaxText.checkpointing import Checkpointer, load_full_state
+    from MaxText.trainer.checkpointing import Checkpointer, load_full_state
     from MaxText.train import initial_state
 
     keys = ["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=16",
@@ -170,8 +171,8 @@ def test_load_parameters_path_names_the_real_cause_of_missing_arrays(tmp_path):
     mtp_num_layers; upstream MaxText's tree (params/params/decoder/...) says how to convert it. One line each."""
     import json as json_lib
 
-    from MaxText import checkpointing
-    from MaxText.config import ConfigError
+    from MaxText.trainer import checkpointing
+    from MaxText.config.errors import ConfigError
 
     keys = TINY + ["steps=1", f"base_output_directory={tmp_path}", "run_name=scanned", "scan_layers=true"]
     train_records(load_config(keys))
@@ -202,7 +203,7 @@ def test_load_parameters_path_names_the_real_cause_of_missing_arrays(tmp_path):
 
 def test_num_devices_must_match_the_visible_devices(tmp_path):
     """A config laid out for N devices (a GPU recipe's num_devices) refuses to start on another count."""
-    from MaxText.config import ConfigError
+    from MaxText.config.errors import ConfigError
     from MaxText.train import train
 
     cfg = load_config(TINY + [f"base_output_directory={tmp_path}", "num_devices=128"])

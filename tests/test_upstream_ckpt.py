@@ -15,8 +15,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from MaxText import checkpointing, forward
-from MaxText.config import ConfigError, load_config
+from MaxText.trainer import checkpointing, forward
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 from MaxText.utils.ckpt_conversion import from_upstream, to_upstream, upstream_ckpt
 from MaxText.utils.ckpt_conversion.orbax_io import Items
 
@@ -64,8 +65,8 @@ def _mtp_loss(case, item, scan=None):
     import jax
     from flax import nnx
 
-    from MaxText import sharding
-    from MaxText.state import state_spec
+    from MaxText.parallel import sharding
+    from MaxText.step.state import state_spec
 
     cfg = load_config([*_keys(case, scan), f"load_parameters_path={item}"])
     mesh = sharding.create_mesh(cfg)

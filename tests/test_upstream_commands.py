@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 from MaxText.utils.ckpt_conversion import upstream_flags
 from tests import hf_tiny
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,10 @@ import os
 import pytest
 import yaml
 
-from MaxText import upstream
-from MaxText.config import BASE_CONFIG, ConfigError, load_config
+from MaxText.config import upstream
+from MaxText.config.parse import BASE_CONFIG
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 
 KEYS_FILE = os.path.join(os.path.dirname(__file__), "data", f"maxtext-{upstream.UPSTREAM_VERSION}-keys.txt")
 
@@ -170,7 +172,7 @@ def test_model_family_and_tokenizer_type_that_agree_are_accepted():
                                                              "moe_mlpwi_1", "moe_mlpwo")})),
 ])
 def test_upstream_remat_policies_map_onto_this_trainers_names(policy, want):
-    from MaxText.config import REMAT_TENSOR_NAMES
+    from MaxText.config.checks import REMAT_TENSOR_NAMES
 
     cfg = load_config([f"remat_policy={policy}", "query_proj=offload"])  # ignored, as upstream ignores it
     mode, locations = want

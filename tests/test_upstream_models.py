@@ -16,9 +16,10 @@ import os
 import pytest
 import yaml
 
-from MaxText import upstream
-from MaxText.config import ConfigError, load_config
-from MaxText.plan import parameter_counts
+from MaxText.config import upstream
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.planning.plan import parameter_counts
 
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "maxtext-0.2.5", "models")
 

@@ -1,4 +1,4 @@
-"""Tests of MaxText/xla_flags.py: the pre-launch check of a recipe's `xla_flags` against the installed jaxlib.
+"""Tests of MaxText/config/xla_flags.py: the pre-launch check of a recipe's `xla_flags` against the installed jaxlib.
 
 Covers: every flag of every shipped GPU recipe starts XLA; renamed, invented and malformed flags are
 reported (with the right suggestion, in the order given, good flags untouched); a bad value does not hide
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from MaxText.config import load_config
-from MaxText.xla_flags import FlagProblem, check_flags, known_flag_names, suggest
+from MaxText.config.load import load_config
+from MaxText.config.xla_flags import FlagProblem, check_flags, known_flag_names, suggest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_RECIPES = sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "gpu", "*.yml")))
@@ -45,7 +45,7 @@ def test_gpu_recipes_exist():
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=os.path.basename)
 def test_every_gpu_recipe_flag_starts_xla(path):
-    from MaxText.config import load_config
+    from MaxText.config.load import load_config
 
     flags = load_config([path]).xla_flags  # the recipe's own or inherited from its base_config
     assert flags and flags.split(), f"{path} has no xla_flags; the GPU recipes are expected to set them"
@@ -120,7 +120,7 @@ def test_suggest_prefers_the_renamed_tail():
 def test_retired_aliases_are_named_with_their_successors():
     """jaxlib 0.12 still parses --xla_gpu_enable_pipelined_* (the recipes' first flags) but has retired them:
     `reserved` in its descriptor, aliases of --xla_gpu_pipeline_*=on. Current flags are not reported."""
-    from MaxText.xla_flags import retired_flags
+    from MaxText.config.xla_flags import retired_flags
 
     old = ["--xla_gpu_enable_pipelined_all_gather=true", "--xla_gpu_enable_pipelined_reduce_scatter=true"]
     assert check_flags(old) == []  # they still parse ...

@@ -1,6 +1,6 @@
 """Tiny configs shared by the tests: small enough that a train step compiles in a few seconds."""
 
-from MaxText.config import load_config
+from MaxText.config.load import load_config
 
 TINY = [
     "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8", "base_mlp_dim=64",

@@ -42,7 +42,7 @@ class Problem(NamedTuple):
 
 def layer_config(problem: Problem, num_ranks: int, kernels: str):
     """te_dropless with `kernels` on a mesh of num_ranks devices, all on `expert` (the batch split over it)."""
-    from MaxText.config import load_config
+    from MaxText.config.load import load_config
 
     return load_config([
         "moe_impl=te_dropless", f"te_kernels={kernels}", f"num_experts={problem.experts_per_rank * num_ranks}",
@@ -81,7 +81,7 @@ def device_inputs(host: dict, mesh, rules) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from MaxText import sharding
+    from MaxText.parallel import sharding
 
     tokens = NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
     experts = NamedSharding(mesh, P("expert", None, None))
@@ -163,8 +163,8 @@ def run(problem: Problem, cfg_te, cfg_ref, log=print) -> dict:
     and cfg_ref's kernels and the float32 loop; returns the report (status passed or failed)."""
     import jax
 
-    from MaxText import sharding
-    from MaxText.config import global_batch_size
+    from MaxText.parallel import sharding
+    from MaxText.config.load import global_batch_size
     from MaxText.layers.moe import te_kernels
 
     mesh, rules = sharding.create_mesh(cfg_te), sharding.axis_rules(cfg_te)
@@ -220,7 +220,8 @@ def main(argv=None) -> int:
     problem = Problem(experts_per_rank=a.experts_per_rank, top_k=a.top_k)
 
     from MaxText.benchmarks import emit
-    from MaxText.config import ConfigError, apply_xla_flags
+    from MaxText.config.errors import ConfigError
+    from MaxText.config.load import apply_xla_flags
     from MaxText.train import maybe_initialize_distributed
 
     try:

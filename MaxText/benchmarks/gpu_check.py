@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from MaxText.benchmarks import grouped_matmul as gmm_bench, moe_layer
-from MaxText.config import load_config
+from MaxText.config.load import load_config
 from MaxText.layers.moe import te_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -37,7 +37,8 @@ import time
 import numpy as np
 
 from MaxText.benchmarks import emit
-from MaxText.config import ConfigError, load_config
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
 
 DATASET = "maxtext_bench_docs"  # the TFDS name; the tests' builder is maxtext_test_docs
 MEDIAN_BYTES, SIGMA = 1200, 1.0  # lognormal document lengths: mean = median * exp(sigma^2 / 2) ~ 2 KB

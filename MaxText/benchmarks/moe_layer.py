@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import sharding
+from MaxText.parallel import sharding
 from MaxText.benchmarks import emit
-from MaxText.collectives import count_collectives
-from MaxText.config import load_config
+from MaxText.planning.collectives import count_collectives
+from MaxText.config.load import load_config
 from MaxText.layers.moe import ep as ep_lib
 from MaxText.layers.moe.block import MOE_FFNS, ExpertWeights
 from MaxText.layers.moe.router import Routing

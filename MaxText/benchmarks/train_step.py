@@ -9,7 +9,7 @@ For each entry: the config with `moe_impl=<impl>` (and the entry's overrides), i
 state and one synthetic batch (the input pipeline is not what is measured). The step is compiled ahead of
 time (compile seconds and XLA's temporary-buffer bytes are reported), run `--warmup` times, then `--steps`
 times back to back; step time is the wall time of those steps / steps, after the last one has finished.
-Tokens/s/device, model TFLOP/s/device and MFU (against the device's bf16 peak, MaxText/metrics.py) follow
+Tokens/s/device, model TFLOP/s/device and MFU (against the device's bf16 peak, MaxText/planning/flops.py) follow
 from it. `te_dropless` runs its pure-JAX reference kernels where there is no NVIDIA GPU (marked so).
 Prints a table and one JSON line; never part of the test suite's timing.
 """
@@ -22,13 +22,15 @@ import time
 
 import jax
 
-from MaxText import metrics as metrics_lib, sharding
+from MaxText.planning import flops
+from MaxText.parallel import sharding
 from MaxText.benchmarks import emit
-from MaxText.config import ConfigError, global_batch_size, load_config
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import global_batch_size, load_config
 from MaxText.data.synthetic import SyntheticData
 from MaxText.layers.moe.te_kernels import moe_runtime
-from MaxText.state import create_state, state_spec
-from MaxText.train_step import jit_train_step
+from MaxText.step.state import create_state, state_spec
+from MaxText.step.train_step import jit_train_step
 
 
 def measure(cfg, steps: int, warmup: int) -> dict:
@@ -56,8 +58,8 @@ def measure(cfg, steps: int, warmup: int) -> dict:
         jax.block_until_ready((state, metrics))
         step_s = (time.perf_counter() - start) / steps
     tokens = global_batch * cfg.max_target_length
-    peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
-    tps, tflops, mfu = metrics_lib.throughput(cfg, tokens, devices, step_s, peak)
+    peak = flops.peak_tflops(jax.devices()[0].device_kind)
+    tps, tflops, mfu = flops.throughput(cfg, tokens, devices, step_s, peak)
     return {"compile_s": compile_s, "temp_gib": memory.temp_size_in_bytes / 2**30 if memory else None,
             "step_s": step_s, "tokens_per_s_per_device": tps, "tflops_per_device": tflops, "mfu": mfu,
             "loss": float(metrics["loss"]), "devices": devices, "tokens_per_step": tokens}

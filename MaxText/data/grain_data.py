@@ -35,8 +35,8 @@ from absl import flags
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from MaxText.config import ConfigError
-from MaxText.data import glob_files, text_column
+from MaxText.config.errors import ConfigError
+from MaxText.data.records import glob_files, text_column
 from MaxText.data.packing import PackedDocuments, epoch_seed
 from MaxText.data.tokenizer import load_tokenizer
 

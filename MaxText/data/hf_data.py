@@ -51,8 +51,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 
-from MaxText.config import ConfigError  # noqa: E402
-from MaxText.data import glob_files, text_column  # noqa: E402
+from MaxText.config.errors import ConfigError  # noqa: E402
+from MaxText.data.records import glob_files, text_column  # noqa: E402
 from MaxText.data.packing import PackedDocuments, epoch_seed  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 

@@ -39,8 +39,8 @@ import abc
 
 import numpy as np
 
-from MaxText.data import BATCH_KEYS, DataError, resume_position
-from MaxText.config_checks import _clip
+from MaxText.data.records import BATCH_KEYS, DataError, resume_position
+from MaxText.config.errors import clip
 from MaxText.data.tokenizer import load_tokenizer
 
 EVAL_EPOCH = 2**31 - 1  # the "epoch" whose order the eval stream reads
@@ -155,7 +155,7 @@ class PackedDocuments(abc.ABC):
                 raise
             except Exception as e:  # noqa: BLE001 - a record the pipeline (or its worker process) cannot read
                 reason = " ".join(str(e).split()) or type(e).__name__
-                raise DataError(f"{self.where()}: {_clip(reason, 300)}; fix or remove that file from "
+                raise DataError(f"{self.where()}: {clip(reason, 300)}; fix or remove that file from "
                                 f"{self.files_key}") from None
             if isinstance(record, tuple):
                 record, self.here = record
@@ -184,7 +184,7 @@ class PackedDocuments(abc.ABC):
             raise
         except Exception as e:  # noqa: BLE001 - the tokenizer's or numpy's own error on a value it cannot take
             reason = " ".join(str(e).split()) or type(e).__name__
-            raise DataError(f"{self.where()}: this document cannot be tokenized ({_clip(reason, 200)}); check the "
+            raise DataError(f"{self.where()}: this document cannot be tokenized ({clip(reason, 200)}); check the "
                             f"text column ({self.column_key}) or remove the file from {self.files_key}") from None
 
     def tokens(self, record) -> np.ndarray:

@@ -38,7 +38,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is first
 import numpy as np  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
-from MaxText.config import ConfigError  # noqa: E402
+from MaxText.config.errors import ConfigError  # noqa: E402
+from MaxText.data.tokenizer import ByteTokenizer  # noqa: E402
 
 VALIDATION_MODULUS = 50  # one file in ~50 is held out
 DOCUMENT_CHARS = 2000  # a document ends at the first top-level block boundary after this many characters
@@ -163,12 +164,16 @@ def build(data_dir: str, log=print) -> PythonStdlib:
     return builder
 
 
+def default_data_dir() -> str:
+    """$XDG_CACHE_HOME (or ~/.cache) /maxtext_moe/tensorflow_datasets."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "maxtext_moe", "tensorflow_datasets")
+
+
 def summary(builder: tfds.core.DatasetBuilder) -> dict:
     """Documents and UTF-8 bytes per split; the train split's byte-level target tokens (bytes plus one EOS per
     non-empty document, as the default add_bos/add_eos pipeline emits them) and their unigram entropy in
     nats/token."""
-    from MaxText.data.tokenizer import ByteTokenizer
-
     tokenizer = ByteTokenizer()
     out = {}
     for split in builder.info.splits:
@@ -189,8 +194,6 @@ def summary(builder: tfds.core.DatasetBuilder) -> dict:
 
 
 def main(argv=None) -> int:
-    from MaxText.data.tfds_data import default_data_dir
-
     parser = argparse.ArgumentParser(prog="python -m MaxText.data.python_stdlib", description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=None, help=f"TFDS data dir (default {default_data_dir()})")
     args = parser.parse_args(argv)

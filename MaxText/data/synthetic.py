@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from MaxText.data import resume_position
+from MaxText.data.records import resume_position
 
 FOLLOW_PROBABILITY = 0.8
 

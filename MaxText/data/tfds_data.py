@@ -1,6 +1,6 @@
 """`dataset_type=tfds`: a prepared TensorFlow Datasets dataset, tokenized and packed into full rows.
 
-Reading. The data dir is `dataset_path`, or default_data_dir(). Nothing is downloaded at run time: a dataset
+Reading. The data dir is `dataset_path`, or python_stdlib.default_data_dir(). Nothing is downloaded at run time: a dataset
 must already be prepared there, except `python_stdlib` (MaxText/data/python_stdlib.py), which is built from
 local files the first time. Each process reads only its own part of the split, tfds.even_splits(split,
 process_count)[process_index], and only the text feature of each record (train_data_columns / eval_data_columns,
@@ -26,8 +26,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is first
 import tensorflow as tf  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
-from MaxText.config import ConfigError  # noqa: E402
-from MaxText.data import BATCH_KEYS, python_stdlib, text_column  # noqa: E402  (python_stdlib registers its builder)
+from MaxText.config.errors import ConfigError  # noqa: E402
+from MaxText.data import python_stdlib  # noqa: E402  (python_stdlib registers its builder)
+from MaxText.data.records import BATCH_KEYS, text_column
 from MaxText.data.packing import PackedDocuments, epoch_seed  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
@@ -40,15 +41,9 @@ SHUFFLE_BUFFER = 1024  # documents; on top of the shuffled file order
 KEYS = BATCH_KEYS
 
 
-def default_data_dir() -> str:
-    """$XDG_CACHE_HOME (or ~/.cache) /maxtext_moe/tensorflow_datasets."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "maxtext_moe", "tensorflow_datasets")
-
-
 def data_dir(cfg) -> str:
-    """cfg.dataset_path, or default_data_dir()."""
-    return cfg.dataset_path or default_data_dir()
+    """cfg.dataset_path, or python_stdlib.default_data_dir()."""
+    return cfg.dataset_path or python_stdlib.default_data_dir()
 
 
 def open_builder(cfg) -> tfds.core.DatasetBuilder:

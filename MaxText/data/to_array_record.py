@@ -27,10 +27,9 @@ import sys
 
 import numpy as np
 
-from MaxText.config import ConfigError
-from MaxText.config_checks import error_line
-from MaxText.data import glob_files
-from MaxText.storage import check_output, shown_path
+from MaxText.config.errors import ConfigError, error_line
+from MaxText.data.records import glob_files
+from MaxText.config.storage import check_output, shown_path
 
 SHARD_NAME = "{split}-{index:05d}-of-{count:05d}.array_record"
 PARTIAL = ".partial"  # suffix of a shard being written
@@ -113,6 +112,7 @@ def tfds_source(name: str, split: str, column: str, data_dir: str | None) -> tup
 
 def load_text_tokenizer(path: str):
     """The tokenizer of a tokenizer file (tokenizer.load_tokenizer's formats and checks, no BOS/EOS needed)."""
+    # here, not at the top: the tokenizer libraries and Grain (optional, heavy) load only for the inputs that need them
     import ml_collections
 
     from MaxText.data.tokenizer import load_tokenizer
@@ -128,6 +128,7 @@ def load_text_tokenizer(path: str):
 def example_bytes(document, column: str, tokenizer) -> bytes:
     """One record: a tf.train.Example with `column` as the text's UTF-8 bytes, or as int64 token ids (with a
     tokenizer, or when the document already is ids)."""
+    # here, not at the top: the tokenizer libraries and Grain (optional, heavy) load only for the inputs that need them
     from MaxText.data.grain_data import Example
 
     example = Example()

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from MaxText.config import ConfigError, _clip
+from MaxText.config.errors import ConfigError, clip
 
 BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]", "<|endoftext|>")
 EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[EOS]")
@@ -103,7 +103,7 @@ def load_tokenizer(cfg):
         except Exception as e:  # noqa: BLE001 - sentencepiece and tokenizers raise their own types, or OSError
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ConfigError(f"{name} is not a {'SentencePiece' if kind is SentencePieceTokenizer else 'Hugging Face'}"
-                              f" tokenizer file ({_clip(reason, 160)}); point tokenizer_path at the model's "
+                              f" tokenizer file ({clip(reason, 160)}); point tokenizer_path at the model's "
                               "tokenizer") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"vocab_size={cfg.vocab_size} is smaller than the {tokenizer.vocab_size} ids of {name}; "

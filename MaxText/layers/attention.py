@@ -18,7 +18,7 @@ from MaxText.layers import attention_cudnn
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
-from MaxText.sharding import constrain
+from MaxText.parallel.sharding import constrain
 
 
 class Attention(nnx.Module):

@@ -49,7 +49,7 @@ from jax._src import xla_bridge
 from jax._src.cudnn import fused_attention_stablehlo as fused
 from jax.extend.core import subjaxprs
 
-from MaxText.sharding import constrain
+from MaxText.parallel.sharding import constrain
 
 MAX_SEGMENTS = 64
 MIN_CUDNN = 90600

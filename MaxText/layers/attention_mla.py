@@ -21,7 +21,7 @@ from MaxText.layers.attention import attention
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies, yarn_mscale
-from MaxText.sharding import constrain
+from MaxText.parallel.sharding import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", None)
 

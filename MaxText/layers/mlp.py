@@ -7,7 +7,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.params import fan_in_init, param
-from MaxText.sharding import constrain
+from MaxText.parallel.sharding import constrain
 
 
 class MLP(nnx.Module):

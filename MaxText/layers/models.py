@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from MaxText.config import layer_counts
+from MaxText.config.load import layer_counts
 from MaxText.layers.decoder import LayerStack, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.decoder import DecoderLayer, call_remat, remat_policy
-from MaxText.losses import cross_entropy
+from MaxText.layers.losses import cross_entropy
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 

@@ -12,7 +12,7 @@ from MaxText.layers.mlp import MLP
 from MaxText.layers.moe import dense, ragged, te_dropless
 from MaxText.layers.moe.router import route
 from MaxText.layers.params import fan_in_init, param
-from MaxText.sharding import constrain
+from MaxText.parallel.sharding import constrain
 
 
 class ExpertWeights(NamedTuple):

@@ -7,24 +7,14 @@ token because a token picks distinct experts. Dropped token-slots contribute not
 
 from __future__ import annotations
 
-import math
-from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.config.checks import capacity  # C of this layer, pure arithmetic: also checked at start-up
 from MaxText.layers.moe.router import Routing
-from MaxText.sharding import constrain
-
-
-def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
-    """Slots per expert per group of L tokens: ceil(L*K/E * factor), at most L; L when uncapped."""
-    if capacity_factor is None:
-        return group_size
-    # Exact arithmetic: in floats 50 * 1.1 = 55.000000000000007 would ceil to 56.
-    slots = Fraction(group_size * top_k, num_experts) * Fraction(str(capacity_factor))
-    return max(1, min(group_size, math.ceil(slots)))
+from MaxText.parallel.sharding import constrain
 
 
 def dispatch_masks(experts_GLK, weights_GLK, num_experts: int, cap: int, valid_GL=None):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.router import Routing
-from MaxText.sharding import logical_to_spec
+from MaxText.parallel.sharding import logical_to_spec
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

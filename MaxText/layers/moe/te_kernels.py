@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
 

@@ -29,8 +29,9 @@ import tempfile
 
 import numpy as np
 
-from MaxText.config import ConfigError, load_config, tool_main
-from MaxText.storage import shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config, tool_main
+from MaxText.config.storage import shown_path
 from MaxText.utils.ckpt_conversion.to_maxtext import check_family, read_hf_config
 
 OPTIONS = {"hf_model_path": None, "hf_python": None, "check_rows": "4", "check_length": "32", "check_tokens": None,
@@ -115,7 +116,9 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
 
 def check(argv: list[str], log=print) -> bool:
     """Runs the check; True when every row is within the tolerance."""
-    from MaxText import forward
+    # here, not at the top: JAX loads only after the inputs pass their checks (a mistake is one line without JAX's
+    # start-up)
+    from MaxText.trainer import forward
 
     opts, rest = _options(argv)
     hf = read_hf_config(opts["hf_model_path"])  # a directory of a family imported here, before any work

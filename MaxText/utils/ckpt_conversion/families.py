@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import layer_counts
 from MaxText.utils.ckpt_conversion.hf_config import Fields, rope_config, rope_keys
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK
 
@@ -411,8 +412,6 @@ class Placement(NamedTuple):
 
 def placements(cfg, family: Family) -> list[Placement]:
     """Every leaf of the saved tree, with its source, for this config (scanned or not, MTP depths included)."""
-    from MaxText.config import layer_counts
-
     out = [Placement(("params", *r.ours.split(".")), r, ("",), False) for r in top_level(cfg)]
     num_dense, num_moe = layer_counts(cfg)
     for stack, count, first, moe in (("dense_layers", num_dense, 0, False), ("moe_layers", num_moe, num_dense, True)):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from MaxText.config import tool_main
+from MaxText.config.load import tool_main
 from MaxText.utils.ckpt_conversion.upstream_ckpt import from_upstream
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import math
 
-from MaxText.config import ConfigError
-from MaxText.storage import shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.storage import shown_path
 from MaxText.layers.rope import yarn_mscale
 
 # Fields of transformers' PreTrainedConfig (4 and 5) and the releases that never change the logits of a token

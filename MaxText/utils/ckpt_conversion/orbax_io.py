@@ -19,9 +19,9 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from MaxText.config import ConfigError
-from MaxText.config_checks import remote_path_error
-from MaxText.storage import check_output, read_json_file, shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.checks import remote_path_error
+from MaxText.config.storage import check_output, read_json_file, shown_path
 
 
 class Items:

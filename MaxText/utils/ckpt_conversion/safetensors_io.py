@@ -22,8 +22,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from MaxText.config import ConfigError
-from MaxText.storage import read_json_file, shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.storage import read_json_file, shown_path
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,

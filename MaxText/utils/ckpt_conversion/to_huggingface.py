@@ -26,9 +26,10 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from MaxText.config import ConfigError, load_config, tool_main
-from MaxText.config_checks import remote_path_error
-from MaxText.storage import check_output, shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config, tool_main
+from MaxText.config.checks import remote_path_error
+from MaxText.config.storage import check_output, shown_path
 from MaxText.utils.ckpt_conversion.families import DeepSeek, family_of, placements, to_theirs
 from MaxText.utils.ckpt_conversion import upstream_flags
 from MaxText.utils.ckpt_conversion.safetensors_io import FP8_BLOCK, write_file
@@ -156,10 +157,14 @@ def export(argv: list[str], log=print) -> str:
     if opts["hf_dtype"] == "fp8" and not isinstance(family, DeepSeek):
         raise ConfigError("hf_dtype=fp8 is DeepSeek's release format; use bfloat16 or float32 for this family")
 
+    # here, not at the top: JAX and the model load only after the inputs pass their checks (a mistake is one line
+    # without JAX's start-up)
     import jax
 
-    from MaxText import checkpointing, plan, sharding
-    from MaxText.state import state_spec
+    from MaxText.trainer import checkpointing
+    from MaxText.planning import plan
+    from MaxText.parallel import sharding
+    from MaxText.step.state import state_spec
 
     config = family.hf_config(cfg)
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))

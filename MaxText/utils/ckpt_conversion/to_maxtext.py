@@ -44,9 +44,10 @@ from typing import NamedTuple
 import numpy as np
 import yaml
 
-from MaxText.config import ConfigError, load_config, tool_main
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config, tool_main
 from MaxText.utils.ckpt_conversion import upstream_flags
-from MaxText.storage import read_json_file, shown_path
+from MaxText.config.storage import read_json_file, shown_path
 from MaxText.utils.ckpt_conversion.families import (FAMILIES, Placement, model_family, placements,
                                                     to_ours)
 from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, create_items, new_step_dir, save_shapes,
@@ -241,9 +242,12 @@ def convert(argv: list[str], log=print) -> str:
     keys = family.model_keys(hf, log, ignore)
     keys = _without_absent_mtp(keys, ckpt, log)
 
-    from MaxText import plan, sharding
-    from MaxText.checkpointing import CHECKSUMS, ITEM
-    from MaxText.state import state_spec
+    # here, not at the top: JAX and the model load only after the inputs pass their checks (a mistake is one line
+    # without JAX's start-up)
+    from MaxText.planning import plan
+    from MaxText.parallel import sharding
+    from MaxText.trainer.checkpointing import CHECKSUMS, ITEM
+    from MaxText.step.state import state_spec
 
     config_args = [a for a in rest if a.endswith((".yml", ".yaml")) and "=" not in a][:1]
     overrides = [a for a in rest if a not in config_args]

@@ -37,8 +37,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from MaxText.config import ConfigError, load_config
-from MaxText.storage import shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.config.storage import shown_path
 from MaxText.utils.ckpt_conversion.families import DECODER_BLOCKS, placements
 from MaxText.utils.ckpt_conversion.orbax_io import (ArrayOut, Items, create_items, new_step_dir, save_shapes,
                                                      split_paths, write_step)
@@ -251,10 +252,13 @@ def _paths(argv: list[str]) -> tuple[str, str, list[str]]:
 
 def abstract_tree(cfg) -> dict[str, tuple]:
     """{dot-joined name: shape} of this config's saved params and routing biases."""
+    # here, not at the top: JAX and the model load only after the inputs pass their checks (a mistake is one line
+    # without JAX's start-up)
     import jax
 
-    from MaxText import plan, sharding
-    from MaxText.state import state_spec
+    from MaxText.planning import plan
+    from MaxText.parallel import sharding
+    from MaxText.step.state import state_spec
 
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
     out = {}
@@ -266,7 +270,9 @@ def abstract_tree(cfg) -> dict[str, tuple]:
 
 def from_upstream(argv: list[str], log=print) -> str:
     """Upstream MaxText's items -> this trainer's (<out>/0/items and checksums); returns the items written."""
-    from MaxText.checkpointing import CHECKSUMS, ITEM
+    # here, not at the top: JAX and the model load only after the inputs pass their checks (a mistake is one line
+    # without JAX's start-up)
+    from MaxText.trainer.checkpointing import CHECKSUMS, ITEM
 
     path, step_dir, rest = _paths(argv)
     cfg = load_config(rest)

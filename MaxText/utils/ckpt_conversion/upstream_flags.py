@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from MaxText.config import ConfigError
-from MaxText.storage import shown_path
+from MaxText.config.errors import ConfigError
+from MaxText.config.storage import shown_path
 
 
 class Flag(NamedTuple):

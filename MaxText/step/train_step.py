@@ -10,8 +10,9 @@ import optax
 from flax import nnx
 
 from MaxText.layers.models import update_moe_bias
-from MaxText.losses import cross_entropy
-from MaxText.optimizers import learning_rate_schedule
+from MaxText.layers.losses import cross_entropy
+from MaxText.parallel.sharding import DATA_AXES
+from MaxText.step.optimizers import learning_rate_schedule
 
 
 def _model(graphdef, params, nnx_aux):
@@ -61,8 +62,6 @@ def micro_batches(batch, steps: int):
     """A batch [B, ...] as `steps` micro-batches [steps, B / steps, ...]: micro-batch j holds rows j, j + steps,
     j + 2 steps, ..., so each device's rows of the batch (a contiguous block of B / shards, a multiple of steps)
     split into its rows of every micro-batch without moving (sharding.check_batch holds the multiple)."""
-    from MaxText.sharding import DATA_AXES
-
     def split(x):
         x = jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
         if jax.sharding.get_abstract_mesh().empty:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from MaxText.config import ConfigError
+from MaxText.config.errors import ConfigError
 
 UPSTREAM_VARS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")
 

@@ -1,6 +1,6 @@
 """Collectives of a partitioned XLA module, per device and per step: kind, dtype, bytes, group size, executions.
 
-    from MaxText.collectives import count_collectives, summarize
+    from MaxText.planning.collectives import count_collectives, summarize
     stats = count_collectives(hlo_text, num_devices=128)   # one Collective per collective instruction
     print(summarize(stats))                                   # {kind: {count, bytes, wire_bytes, dtypes}}
 
@@ -234,7 +234,7 @@ def summarize(found: list[Collective]) -> dict[str, dict]:
 
 def by_group(found: list[Collective]) -> list[dict]:
     """Per device per step, by (kind, mesh axes, group size): count, bytes and wire_bytes, JSON-ready; what
-    MaxText.steptime times link by link."""
+    MaxText.planning.steptime times link by link."""
     out: dict[tuple, dict] = {}
     for c in found:
         s = out.setdefault((c.kind, c.axes, c.group), {"kind": c.kind, "axes": list(c.axes), "group": c.group,

@@ -7,7 +7,7 @@ problem. The verdict comes from XLA itself: one CPU-only Python subprocess start
 flags (xla_gpu_* flags are registered in every jaxlib build, the CPU one included). `known_flag_names`
 only feeds the "did you mean".
 
-    from MaxText.xla_flags import check_flags
+    from MaxText.config.xla_flags import check_flags
     for problem in check_flags(cfg.xla_flags):
         print(problem.message)
 """

@@ -38,9 +38,10 @@ import time
 
 from etils import epath
 
-from MaxText.config_checks import ConfigError
-from MaxText.run_lock import LOCK_NAME
+from MaxText.config.errors import ConfigError
 
+# The run lock's file in a run directory (trainer/run_lock.py holds it); copies and listings leave it out.
+LOCK_NAME = ".lock"
 REMOTE = "gs://"
 SYNC_S = 30.0  # the longest a remote run's metrics and events wait in staging while training
 METRICS = os.path.join("metrics", "metrics.jsonl")

@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from MaxText.config import MESH_AXES, layer_counts
-from MaxText.metrics import attention_core_flops_per_token, model_flops_per_token
+from MaxText.config.checks import MESH_AXES
+from MaxText.config.load import global_batch_size, layer_counts, load_config
+from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token
+from MaxText.planning.params import parameter_counts
 
 
 class Hardware(NamedTuple):
@@ -60,7 +62,7 @@ HARDWARE = {h.name: h for h in (
     Hardware("gb200", 2500, 5000, 8.0, 900, 72, 50, 450, "GB200 NVL72: 2.5/5 PF dense, 900 GB/s per direction"),
     Hardware("gb300", 2500, 5000, 8.0, 900, 72, 100, 450, "GB300 NVL72: as GB200 for bf16/fp8, CX-8 800G"),
 )}
-# gpu_profile (MaxText.hardware) -> HARDWARE, and its NVLink domain
+# gpu_profile (MaxText.config.hardware) -> HARDWARE, and its NVLink domain
 PROFILE_HARDWARE = {"h100-sxm": "h100", "h200-sxm": "h200", "gb200-nvl72": "gb200", "gb300-nvl72": "gb300"}
 GPU_DOMAIN = {profile: HARDWARE[name].nvlink_domain for profile, name in PROFILE_HARDWARE.items()}
 
@@ -123,8 +125,6 @@ class Layout(NamedTuple):
 def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
     """This trainer's layout for a config on its mesh: no pipeline; tensor, expert and FSDP axes as the sharding
     rules place them (dense weights gathered over fsdp x expert, expert weights over fsdp), DCN axes outermost."""
-    from MaxText.config import global_batch_size
-
     def ici(name):
         return _ici(cfg, mesh_shape, name)
 
@@ -247,7 +247,7 @@ class Model(NamedTuple):
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
     """This trainer's FSDP weight collectives per GPU per step, as buffer bytes (an all-gather's result, a
-    reduce-scatter's input: what MaxText.collectives counts in the compiled module), for the dense weights
+    reduce-scatter's input: what MaxText.planning.collectives counts in the compiled module), for the dense weights
     (gathered over fsdp_dense) and the routed experts' (over fsdp). Read off the partitioned module (tests hold
     the two within 10%):
       dense layers  gathered twice in the compute dtype (the backward gathers again, even with remat_policy=none:
@@ -434,9 +434,6 @@ VALIDATION_GOAL = 0.25
 
 def validate() -> list[dict]:
     """Each published run beside the model: measured and modelled tokens/s/GPU, the error, the bound."""
-    from MaxText.config import load_config
-    from MaxText.plan import parameter_counts
-
     rows = []
     for run in VALIDATION:
         cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b", "override_model_config=true",

@@ -23,9 +23,8 @@ import secrets
 import socket
 import time
 
-from MaxText.config import ConfigError
-
-LOCK_NAME = ".lock"
+from MaxText.config.errors import ConfigError
+from MaxText.config.storage import LOCK_NAME
 
 
 def automatic_run_name() -> str:
@@ -72,7 +71,7 @@ class RunLock:
 @contextlib.contextmanager
 def run_lock(run_dir: str, primary: bool = True, process_count: int = 1, name: str | None = None):
     """RunLock taken by process 0 (`primary`) for the run; the others learn its outcome by a broadcast. `name`: the
-    run directory as messages call it (a remote run's lock is in its local staging directory, MaxText.storage)."""
+    run directory as messages call it (a remote run's lock is in its local staging directory, MaxText.config.storage)."""
     lock, error = RunLock(run_dir, name), None
     if primary:
         try:

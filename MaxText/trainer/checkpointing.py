@@ -4,7 +4,7 @@ with the input pipeline's position beside the state in <step>/input (JSON).
 Start-up order, as in MaxText: an existing checkpoint of this run (auto-resume) first; else
 load_parameters_path (params only, step 0) or load_full_state_path (everything); else a fresh init.
 
-The directory is local or a gs:// URL (MaxText.storage: epath paths throughout, never a local "gs:" folder).
+The directory is local or a gs:// URL (MaxText.config.storage: epath paths throughout, never a local "gs:" folder).
 
 Kill safety: Orbax writes a step into a temporary directory and renames it when complete (in a bucket, where
 there is no rename, it writes commit_success.txt last instead), so a process killed mid-save (SIGKILL, node
@@ -43,9 +43,9 @@ import traceback
 import orbax.checkpoint as ocp
 from etils import epath
 
-from MaxText import storage
-from MaxText.config import ConfigError
-from MaxText.storage import describe as _describe
+from MaxText.config import storage
+from MaxText.config.errors import ConfigError
+from MaxText.config.storage import describe as _describe
 
 ITEM = "items"
 INPUT = "input"

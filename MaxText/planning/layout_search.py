@@ -4,7 +4,7 @@ Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tenso
 expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), FSDP over
 the rest; per-device batch sizes; the recipe's remat policy and `full`. The state is traced once (its shardings
 come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
-MaxText.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
+MaxText.planning.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
 tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
 """
 
@@ -13,8 +13,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from MaxText import sharding, steptime
-from MaxText.config import ConfigError, load_config
+from MaxText.config.errors import ConfigError
+from MaxText.config.hardware import GPU_PROFILES, hosts_per_slice
+from MaxText.config.load import load_config
+from MaxText.parallel import sharding
+from MaxText.planning import steptime
+from MaxText.planning.params import parameter_counts
+from MaxText.planning.plan import GIB, HEADROOM, abstract_mesh, device_bytes, modelled_step, planned_devices
+from MaxText.step.state import state_spec
 
 BATCHES = (1, 2, 4, 6, 8)
 TENSOR = (1, 2, 4, 8)
@@ -53,10 +59,6 @@ def meshes(num_devices: int, per_slice: int, per_host: int, num_experts: int):
 
 def search(argv: list[str], top: int = 5) -> dict:
     """The ranked candidates for the recipe `argv` (config path and overrides; gpu_profile required)."""
-    from MaxText.hardware import GPU_PROFILES, hosts_per_slice
-    from MaxText.plan import (HEADROOM, GIB, abstract_mesh, device_bytes, modelled_step, parameter_counts,
-                              planned_devices)
-    from MaxText.state import state_spec
 
     base = load_config(argv)
     if base.gpu_profile not in steptime.PROFILE_HARDWARE:

@@ -1,20 +1,18 @@
 """Cross-key checks of a loaded config: each `check_*` function raises ConfigError naming the keys and the fix.
 
-config.load_config runs them all (validate) on the merged values; they read a ConfigDict and touch nothing
+load.load_config runs them all (validate) on the merged values; they read a ConfigDict and touch nothing
 else. The sets of allowed values live here beside the checks that use them.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 import re
-import reprlib
 
-from MaxText.hardware import GPU_PROFILES
+from MaxText.config.errors import ConfigError, clip, shown
+from MaxText.config.hardware import GPU_PROFILES
 
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message names the key and the fix."""
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # run_name and model_name: one path component, never a way out of its directory.
@@ -230,6 +228,15 @@ def check_experts(cfg) -> None:
             f"ici_expert_parallelism x dcn_expert_parallelism = {ep}")
 
 
+def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
+    """Slots per expert per group of L tokens: ceil(L*K/E * factor), at most L; L when uncapped."""
+    if capacity_factor is None:
+        return group_size
+    # Exact arithmetic: in floats 50 * 1.1 = 55.000000000000007 would ceil to 56.
+    slots = Fraction(group_size * top_k, num_experts) * Fraction(str(capacity_factor))
+    return max(1, min(group_size, math.ceil(slots)))
+
+
 # moe_impl=dense builds float32 one-hot dispatch and combine masks [S, E, C] per sequence of S tokens (C = S
 # without a capacity: quadratic in the sequence length); a config whose masks exceed this is refused.
 DENSE_MASK_LIMIT_BYTES = 2 ** 30
@@ -239,8 +246,6 @@ def check_dense_masks(cfg) -> None:
     """moe_impl=dense only where its per-sequence masks stay under DENSE_MASK_LIMIT_BYTES."""
     if cfg.moe_impl != "dense" or cfg.num_experts <= 1:
         return
-    from MaxText.layers.moe.dense import capacity  # noqa: PLC0415 - the layer imports this module
-
     s, e = cfg.max_target_length, cfg.num_experts
     mask = s * e * capacity(s, e, cfg.num_experts_per_tok, cfg.capacity_factor) * 4
     if mask > DENSE_MASK_LIMIT_BYTES:
@@ -292,37 +297,9 @@ def check_logical_axis_rules(cfg) -> None:
 def check_run_name(cfg) -> None:
     """run_name is one plain path component under base_output_directory."""
     if cfg.run_name is not None and (not PLAIN_NAME.fullmatch(str(cfg.run_name)) or ".." in str(cfg.run_name)):
-        raise ConfigError(f"run_name={_clip(str(cfg.run_name))} must be a plain name (letters, digits, '.', '_', "
+        raise ConfigError(f"run_name={clip(str(cfg.run_name))} must be a plain name (letters, digits, '.', '_', "
                           "'-'; no '/', no '..', at most 200 characters): it names a directory under "
                           "base_output_directory")
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    """A user's value in an error line: at most `limit` characters of it, and its size when it is longer."""
-    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
-
-
-# repr of a user's value that never expands it whole (a YAML alias bomb is a small file and an endless repr).
-_SHORT_REPR = reprlib.Repr(maxlevel=3, maxlist=4, maxtuple=4, maxdict=4, maxstring=60, maxother=60)
-
-
-def shown(value) -> str:
-    """A user's value (any YAML) in an error line: its repr, bounded however large or nested it is."""
-    return _clip(_SHORT_REPR.repr(value))
-
-
-ERROR_LINE_LIMIT = 1000
-
-
-def error_line(error: BaseException | str) -> str:
-    """What follows `error: ` on stderr: the message on one line, the line (with `error: `) at most
-    ERROR_LINE_LIMIT characters whatever a value in it held."""
-    text = " ".join(str(error).split())
-    room = ERROR_LINE_LIMIT - len("error: ")  # the whole line, prefix and size included, within the limit
-    if len(text) > room:
-        suffix = f"... ({len(text)} characters)"
-        text = text[:room - len(suffix)] + suffix
-    return text or type(error).__name__
 
 
 def check_checkpoint_sources(cfg) -> None:
@@ -359,14 +336,14 @@ def check_upstream_consistency(cfg) -> None:
                               "huggingface, given by tokenizer_path)")
         if cfg.tokenizer_path is not None and not str(cfg.tokenizer_path).endswith(suffix):
             raise ConfigError(f"tokenizer_type={cfg.tokenizer_type} expects a {suffix} file, but tokenizer_path="
-                              f"{_clip(str(cfg.tokenizer_path))}; fix one of them")
+                              f"{clip(str(cfg.tokenizer_path))}; fix one of them")
     if cfg.eval_steps == -1 and cfg.eval_interval != -1 and cfg.dataset_type == "synthetic":
         raise ConfigError("eval_steps=-1 (the whole eval split) needs a dataset with an end; synthetic data has "
                           "none: set eval_steps to a number of batches")
 
 
 # Keys naming a file or directory. The run's outputs and the checkpoints it starts from may be in a gs:// bucket
-# (MaxText.storage); the input pipeline reads local files only. Any other URL is refused here, before anything is
+# (MaxText.config.storage); the input pipeline reads local files only. Any other URL is refused here, before anything is
 # created from it: a URL must never become a local "gs:" folder.
 REMOTE_OK_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path")
 DATA_PATH_KEYS = ("dataset_path", "grain_train_files", "grain_eval_files", "hf_data_dir", "hf_train_files",
@@ -383,16 +360,16 @@ def remote_path_error(key: str, value, local_only: str | None = None) -> str | N
     scheme = value.split("://", 1)[0]
     mount = f"mount the bucket ({MOUNT.get(scheme, 'a FUSE mount')}) and give the mounted path"
     if local_only:
-        return f"{key}={_clip(value)} is a {scheme}:// URL; {local_only} local paths only: {mount}"
+        return f"{key}={clip(value)} is a {scheme}:// URL; {local_only} local paths only: {mount}"
     if scheme == "s3":  # orbax-checkpoint 0.12.8's OCDBT store takes only gs:// for a bucket (s3:// fails as local)
-        return (f"{key}={_clip(value)}: orbax-checkpoint writes and reads checkpoints in gs:// buckets only (it takes "
+        return (f"{key}={clip(value)}: orbax-checkpoint writes and reads checkpoints in gs:// buckets only (it takes "
                 f"an s3:// URL for a local path); {mount}")
     if scheme != "gs":
-        return f"{key}={_clip(value)} is a {scheme}:// URL; only local paths and gs:// are supported: {mount}"
+        return f"{key}={clip(value)} is a {scheme}:// URL; only local paths and gs:// are supported: {mount}"
     import importlib.util
 
     if importlib.util.find_spec("gcsfs") is None:
-        return (f"{key}={_clip(value)} needs gcsfs (epath's gs:// client; requirements.txt pins it): pip install "
+        return (f"{key}={clip(value)} needs gcsfs (epath's gs:// client; requirements.txt pins it): pip install "
                 f"gcsfs, or {mount}")
     return None
 

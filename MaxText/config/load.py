@@ -8,134 +8,30 @@ Order of precedence, lowest first (upstream MaxText's):
 A key that 2 or 4 sets and the model file sets otherwise is an error unless override_model_config=true
 (_model_layer says exactly when).
 A value is parsed to the type of its default in base.yml (keys whose default is null are typed in
-OPTIONAL_KEY_TYPES). The cross-key checks are MaxText/config_checks.py's; each raises ConfigError naming the
+OPTIONAL_KEY_TYPES). The cross-key checks are checks.py's; each raises ConfigError naming the
 keys. Loading touches no JAX device, network or output directory.
 """
 
 from __future__ import annotations
 
-import copy
-import difflib
-import functools
-import io
 import logging
 import math
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
-import yaml
 
-from MaxText import upstream
-from MaxText.config_checks import (  # noqa: F401 - MESH_AXES, REMAT_TENSOR_NAMES: part of this module's interface
-    MESH_AXES, PLAIN_NAME, REMAT_TENSOR_NAMES, ConfigError, _clip, error_line, shown, validate)
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-BASE_CONFIG = os.path.join(CONFIG_DIR, "base.yml")
-
-# Keys whose default is null (unset), with the type a set value takes.
-OPTIONAL_KEY_TYPES: dict[str, type] = {
-    "run_name": str,
-    "xla_flags": str,
-    "model_name": str,
-    "capacity_factor": float,
-    "learning_rate_schedule_steps": int,
-    "gradient_clipping_threshold": float,
-    "max_num_checkpoints_to_keep": int,
-    "load_parameters_path": str,
-    "load_full_state_path": str,
-    "ragged_buffer_factor": float,
-    "num_devices": int,
-    "dataset_path": str,
-    "dataset_name": str,
-    "tokenizer_path": str,
-    "hbm_gib": float,
-    "gpu_profile": str,
-    "mu_dtype": str,
-    "host_memory_limit_gb": int,
-    "n_routing_groups": int,
-    "topk_routing_group": int,
-    "te_moe_block": bool,
-    "sparse_matmul": bool,
-    "decoder_block": str,
-    "tokenizer_type": str,
-    "grain_train_files": str,
-    "grain_eval_files": str,
-    "hf_path": str,
-    "hf_name": str,
-    "hf_data_dir": str,
-    "hf_train_files": str,
-    "hf_eval_files": str,
-    "hf_eval_split": str,
-}
-
-# Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
-MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group", "capacity_factor",
-                      "learning_rate_schedule_steps")
+from MaxText.config import upstream
+from MaxText.config.checks import PLAIN_NAME, validate
+from MaxText.config.errors import ConfigError, clip, error_line
+from MaxText.config import parse  # parse.CONFIG_DIR and parse.BASE_CONFIG read at each load: tests point them elsewhere
+from MaxText.config.parse import COMMAND_LINE, MINUS_ONE_IS_UNSET, OPTIONAL_KEY_TYPES, coerce, nearest, read_yaml
 
 # XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
 # (xla/pjrt/gpu/gpu_helpers.cc). host_memory_limit_gb sets it.
 HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_DEFAULT_HOST_POOL_GB = 64
-
-
-# ------------------------------------------------------------------------------------------- loading
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that gives one key twice (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(f"{key} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})")
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_yaml(path: str, text: str) -> Any:
-    """PyYAML's parse of one file's text, kept: pure Python, it is most of a load_config (the layout search loads
-    hundreds of configs, the tests thousands), and a config's files are the same text each time. Keyed on the
-    text itself, so an edited file is parsed afresh; failures are not kept."""
-    stream = io.StringIO(text)
-    stream.name = path  # PyYAML's error marks name the file, as when it reads the file object
-    return yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    shown = _clip(path, 200)  # the reason after it must survive error_line's bound
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {shown} does not exist")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"config file {shown} cannot be read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {shown} is not UTF-8 text: byte {e.start} is 0x{raw[e.start]:02x}; save it "
-                          "as UTF-8") from None
-    try:
-        data = copy.deepcopy(_parse_yaml(path, text))  # callers edit what they get (base_config is popped)
-    except _DuplicateKey as e:
-        raise ConfigError(f"config file {shown}: {_clip(str(e), 200)}; keep one") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {shown} is not valid YAML: {_clip(str(e).splitlines()[0], 200)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {shown} must hold a mapping of key: value, not {type(data).__name__}")
-    return data
 
 
 def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
@@ -146,17 +42,17 @@ def _yaml_chain(path: str) -> list[tuple[str, dict[str, Any]]]:
     while path is not None:
         path = os.path.abspath(path)
         if path in seen:
-            raise ConfigError(f"base_config in {_clip(path, 200)} forms a cycle")
+            raise ConfigError(f"base_config in {clip(path, 200)} forms a cycle")
         seen.add(path)
-        values = _read_yaml(path)
+        values = read_yaml(path)
         parent = values.pop("base_config", None)
         chain.append((path, values))
         if parent is not None:
             beside = os.path.join(os.path.dirname(path), str(parent))
-            parent = beside if os.path.isfile(beside) else os.path.join(CONFIG_DIR, str(parent))
+            parent = beside if os.path.isfile(beside) else os.path.join(parse.CONFIG_DIR, str(parent))
             if not os.path.isfile(parent):
-                raise ConfigError(f"base_config: {_clip(beside, 200)} (named in {_clip(path, 200)}) does not exist, "
-                                  f"nor does {_clip(parent, 200)}")
+                raise ConfigError(f"base_config: {clip(beside, 200)} (named in {clip(path, 200)}) does not exist, "
+                                  f"nor does {clip(parent, 200)}")
         path = parent
     return chain[::-1]
 
@@ -172,7 +68,7 @@ def _config_path(path: str) -> str:
         return path
     for prefix in UPSTREAM_CONFIG_DIRS:
         if prefix in path.replace(os.sep, "/"):
-            ours = os.path.join(CONFIG_DIR, path.replace(os.sep, "/").split(prefix, 1)[1])
+            ours = os.path.join(parse.CONFIG_DIR, path.replace(os.sep, "/").split(prefix, 1)[1])
             if os.path.isfile(ours):
                 logging.warning("config: %s is MaxText's path of a config; using %s", path, ours)
                 return ours
@@ -184,20 +80,13 @@ def _parse_overrides(argv: Sequence[str]) -> dict[str, str]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or not key:
-            raise ConfigError(f"argument {_clip(arg)!r} is not key=value (or a .yml config file first)")
+            raise ConfigError(f"argument {clip(arg)!r} is not key=value (or a .yml config file first)")
         key = key.strip()
         if key in overrides:
-            raise ConfigError(f"{key} is given twice on the command line ({key}={_clip(overrides[key], 40)} and "
-                              f"{key}={_clip(value, 40)}); keep one")
+            raise ConfigError(f"{key} is given twice on the command line ({key}={clip(overrides[key], 40)} and "
+                              f"{key}={clip(value, 40)}); keep one")
         overrides[key] = value
     return overrides
-
-
-# Command-line numbers and booleans are read by their key's type, not by YAML 1.1, which takes 010 for 8
-# (octal), 1:30 for 90 (base 60) and yes/on for true.
-_INT = re.compile(r"[+-]?[0-9]+")
-COMMAND_LINE = "on the command line"  # _merge's origin for key=value arguments
-_BOOLS = {"true": True, "false": False}
 
 
 def _refuse_empty(overrides: dict[str, str], defaults: dict[str, Any]) -> None:
@@ -218,99 +107,15 @@ def _refuse_empty(overrides: dict[str, str], defaults: dict[str, Any]) -> None:
                           f"value{unset}")
 
 
-def _command_line_scalar(want: type, value: str) -> Any:
-    """`value` as `want` when it spells one plainly; else the string itself (rejected by _coerce)."""
-    text = value.strip()
-    if want is int and _INT.fullmatch(text):
-        return int(text, 10)
-    if want is float:
-        try:
-            return float(text) if not _INT.fullmatch(text) else float(int(text, 10))
-        except ValueError:
-            return value
-    if want is bool and text.lower() in _BOOLS:
-        return _BOOLS[text.lower()]
-    if want is bool and text in ("1", "0"):  # upstream's pydantic config reads 1/0 as booleans
-        return text == "1"
-    return value
-
-
-def _nearest(key: str, known) -> str:
-    """"; did you mean 'x'?" for the known name that `key` spells in other case or with '-' for '_', else for one
-    close to it; nothing when none is."""
-    plain = {name.lower().replace("-", "_"): name for name in known}
-    wanted = key.lower().replace("-", "_")
-    close = [wanted] if wanted in plain else difflib.get_close_matches(wanted, list(plain), n=1, cutoff=0.75)
-    return f"; did you mean {plain[close[0]]!r}?" if close else ""
-
-
-def _key_type(key: str, default: Any) -> type:
-    if default is None:
-        return OPTIONAL_KEY_TYPES[key]
-    return type(default)
-
-
-def _article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
-def _coerce(key: str, value: Any, default: Any, origin: str) -> Any:
-    """Parses `value` to the type of `default`; `origin` says where the value came from."""
-    want = _key_type(key, default)
-    optional = key in OPTIONAL_KEY_TYPES
-    if isinstance(value, str) and optional and value.strip() in ("null", "None", "~", ""):
-        value = None
-    elif isinstance(value, str) and origin == COMMAND_LINE and want in (int, float, bool):
-        value = _command_line_scalar(want, value)
-    elif isinstance(value, str) and want is not str:
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            pass
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key} ({origin}) cannot be null; give {_article(want.__name__)} {want.__name__}, "
-                          f"e.g. {key}={default}")
-    ok = False
-    if want is bool:
-        if value in (0, 1) and not isinstance(value, (bool, float)):  # 1/0 in YAML, as upstream reads them
-            value = bool(value)
-        ok = isinstance(value, bool)
-    elif want is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if isinstance(value, float) and value.is_integer():
-            value, ok = int(value), True
-    elif want is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif want is str:
-        # Scalars YAML typed otherwise (123, 2024-05-01) are still valid names and paths.
-        ok = not isinstance(value, (bool, list, dict))
-        value = str(value) if ok else value
-    elif want is list:
-        ok = isinstance(value, list)
-    if not ok:
-        example = default if default is not None else "..."
-        raise ConfigError(f"{key}={shown(value)} ({origin}) is not a valid {want.__name__}; "
-                          f"use {_article(want.__name__)} {want.__name__} such as {key}={example}")
-    return value
-
-
 def _value(key: str, value: Any, defaults: dict[str, Any], origin: str) -> Any:
     """One key's value as the config will hold it: parsed to its type (upstream's type for upstream's keys this
     trainer does not have), MaxText's -1 for "unset" read as null. An unknown key is an error."""
     if key in defaults:
-        parsed = _coerce(key, value, defaults[key], origin)
+        parsed = coerce(key, value, defaults[key], origin)
         return None if key in MINUS_ONE_IS_UNSET and parsed == -1 else parsed
     if key in upstream.upstream_defaults():
         return upstream.parse_value(key, value, origin)
-    raise ConfigError(f"unknown key {_clip(repr(key))} ({origin}){_nearest(key, defaults)}")
+    raise ConfigError(f"unknown key {clip(repr(key))} ({origin}){nearest(key, defaults)}")
 
 
 def _merge(values: dict[str, Any], layer: dict[str, Any], defaults: dict[str, Any], origin: str,
@@ -329,20 +134,20 @@ def _model_file(model_name: str, config_path: str) -> str:
     parent's, or configs/models/ (upstream's search order)."""
     if model_name.endswith((".yml", ".yaml")):  # a model file anywhere, given by its path
         if not os.path.isfile(model_name):
-            raise ConfigError(f"model_name={_clip(model_name)}: no such file")
+            raise ConfigError(f"model_name={clip(model_name)}: no such file")
         return model_name
     if not PLAIN_NAME.fullmatch(model_name):
-        raise ConfigError(f"model_name={_clip(model_name)} is not a name under configs/models/ (letters, digits, "
+        raise ConfigError(f"model_name={clip(model_name)} is not a name under configs/models/ (letters, digits, "
                           "'.', '_', '-'); give a .yml path for a model file elsewhere")
     here = os.path.dirname(os.path.abspath(config_path))
-    for folder in (here, os.path.dirname(here), CONFIG_DIR):
+    for folder in (here, os.path.dirname(here), parse.CONFIG_DIR):
         path = os.path.join(folder, "models", f"{model_name}.yml")
         if os.path.isfile(path):
             return path
-    models_dir = os.path.join(CONFIG_DIR, "models")
+    models_dir = os.path.join(parse.CONFIG_DIR, "models")
     known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
     raise ConfigError(f"model_name={model_name}: no file {os.path.join(models_dir, model_name + '.yml')}"
-                      f"{_nearest(model_name, known)}")
+                      f"{nearest(model_name, known)}")
 
 
 def _model_layer(model_path: str, model: dict[str, Any], chain, root: bool, overrides: dict[str, str],
@@ -402,13 +207,13 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     Raises ConfigError for any user mistake. Has no side effects (no JAX, no files written).
     """
     argv = list(argv)
-    config_path = BASE_CONFIG
+    config_path = parse.BASE_CONFIG
     if argv and "=" not in argv[0] and argv[0].endswith((".yml", ".yaml")):
         config_path = _config_path(argv.pop(0))
     overrides = _parse_overrides(argv)
 
-    base_path = os.path.abspath(BASE_CONFIG)
-    defaults = _read_yaml(base_path)
+    base_path = os.path.abspath(parse.BASE_CONFIG)
+    defaults = read_yaml(base_path)
     defaults.pop("base_config", None)
     _refuse_empty(overrides, defaults)
     for key, default in defaults.items():
@@ -430,7 +235,7 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     model: dict[str, Any] = {}
     if model_name not in (None, "", "null", "default"):
         model_path = _model_file(str(model_name), config_path)
-        model = _read_yaml(model_path)
+        model = read_yaml(model_path)
         upstream.check_model_file(model_path, model)
         override = (_value("override_model_config", overrides["override_model_config"], defaults, COMMAND_LINE)
                     if "override_model_config" in overrides else values["override_model_config"])  # chain merged

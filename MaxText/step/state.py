@@ -14,10 +14,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from MaxText import sharding
+from MaxText.parallel import sharding
 from MaxText.layers.models import Transformer
 from MaxText.layers.moe.block import MoeBias
-from MaxText.optimizers import optimizer
+from MaxText.step.optimizers import optimizer
 
 
 class StateSpec(NamedTuple):

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from MaxText.config import MESH_AXES, ConfigError
+from MaxText.config.checks import MESH_AXES
+from MaxText.config.errors import ConfigError
 
 # Mesh axes the batch is split over: attention and dense layers use the expert axis for data too.
 DATA_AXES = ("data", "fsdp", "expert")

@@ -1,0 +1,143 @@
+"""The full-scale train step, lowered on a laptop: abstract parameters, the recipe's whole mesh, TE traced.
+
+    python -m MaxText.lowering <recipe.yml> [key=value ...]      # prints one JSON object (the preflight's row)
+
+Runs in its own process, because the device count is fixed when JAX starts: JAX on CPU with as many
+simulated devices as the recipe's num_devices, Transformer Engine's real Python over te_trace's stand-in at
+the gpu_profile's compute capability (when the MoE runs TE kernels), nothing allocated. Three steps:
+
+  1. trace the jitted train step on the state's and the batch's abstract values (shape and dtype errors);
+     with attention=cudnn_flash, JAX's cuDNN queries answer as the gpu_profile's GPU would
+     (attention_cudnn.cuda_trace_profile), so the CUDA branch carries cuDNN's fused attention;
+  2. lower it for CUDA: count TE's FFI custom calls, TE's and cuDNN attention's partitioned ops
+     (custom_partitioning) and the host-offload annotations in the module the GPU would compile;
+  3. lower for CPU (TE's lowerings registered there) and compile: XLA partitions the step over the mesh with
+     TE's own sharding rules, then stops at the first TE kernel, for which CPU has no handler. Any sharding
+     or shape error of the partitioning surfaces before that stop; a step without TE compiles whole. CPU
+     lowerings take attention=cudnn_flash's XLA path (lax.platform_dependent), so cuDNN's own partitioning
+     is not exercised here.
+     XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
+     such as CPU's widening of bf16 collectives to float32), and MaxText.planning.collectives counts its collectives
+     per device per step: kind, dtype, bytes, loop trips multiplied through.
+
+lowered(cfg, backend_optimization=False) leaves out XLA:CPU's backend optimisations, which run after that
+dump: the same result, sooner, where only the counts are read (tests/test_collectives.py lowers two configs
+in one process that way).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+FFI_STOP = "No FFI handler registered for te_"
+# XLA's options for the CPU compile, not XLA_FLAGS: per compile, so one process can lower several configs.
+_DUMP_OPTIONS = {"xla_dump_hlo_module_re": "jit_train_step", "xla_dump_hlo_pass_re": "spmd-partitioning"}
+
+
+def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = True) -> dict:
+    """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices). With dump_dir (where
+    XLA dumps the train step after SPMD partitioning), the result counts its collectives."""
+    # here, not at the top: JAX loads only after main has set XLA_FLAGS (the simulated device count)
+    import jax
+
+    from MaxText.parallel import sharding
+    from MaxText.config.load import global_batch_size
+    from MaxText.data.records import abstract_batch
+    from MaxText.config.hardware import GPU_PROFILES
+    from MaxText.layers import attention_cudnn
+    from MaxText.layers.moe import te_kernels
+    from MaxText.planning import te_trace
+    from MaxText.step.state import state_spec
+    from MaxText.step.train_step import jit_train_step
+
+    uses_te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    sm = GPU_PROFILES[cfg.gpu_profile].sm if cfg.gpu_profile else 90
+    if uses_te:
+        te_trace.install(sm)
+    start = time.perf_counter()
+    mesh = sharding.create_mesh(cfg)
+    global_batch = global_batch_size(cfg, mesh.devices.size)
+    spec = state_spec(cfg, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    batch = abstract_batch(global_batch, cfg.max_target_length, batch_sharding)
+    cudnn = attention_cudnn.cuda_trace_profile(sm) if cfg.attention == "cudnn_flash" else contextlib.nullcontext()
+    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg), cudnn:
+        if uses_te:
+            te_trace.bootstrap_ep(cfg, mesh, global_batch)
+        traced = jit_train_step(cfg, spec, batch_sharding).trace(spec.abstract, batch)
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        cudnn_ops = attention_cudnn.kernel_calls(traced.jaxpr)
+        if uses_te:
+            te_trace.register_cpu_lowerings()
+        options = {"xla_dump_to": dump_dir, **_DUMP_OPTIONS} if dump_dir else {}
+        if not backend_optimization:
+            options["xla_backend_optimization_level"] = 0
+        try:
+            traced.lower().compile(compiler_options=options or None)
+            stop = "compiled whole (no TE kernel)"
+        except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
+            stop = str(e).splitlines()[0] if str(e) else type(e).__name__
+    collectives = None
+    partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt"))
+                         ) if dump_dir else []
+    if partitioned:
+        # here, not at the top: JAX loads only after main has set XLA_FLAGS (the simulated device count)
+        from MaxText.planning.collectives import by_group, count_collectives, largest, summarize
+
+        with open(partitioned[-1]) as f:
+            found, unknown_trips = count_collectives(f.read(), mesh.devices.size)
+        collectives = {"per_device_per_step": summarize(found), "by_group": by_group(found),
+                       "largest": largest(found), "loops_with_unknown_trips": unknown_trips}
+    return {
+        "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        "collectives": collectives,
+        "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
+        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
+        "cudnn_attention_ops": cudnn_ops,
+        "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),
+        "compile_stop": stop,
+        "ok": stop.startswith("compiled whole") or FFI_STOP in stop,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def lowered(cfg, backend_optimization: bool = True) -> dict:
+    """The JSON object for cfg, lowered in this process. Before JAX starts it asks for as many CPU devices as
+    the recipe's GPUs (the recipe's GPU XLA flags stay out); a later call in the same process needs the same
+    num_devices."""
+    # here, not at the top: JAX loads only after main has set XLA_FLAGS (the simulated device count)
+    from MaxText.config.errors import ConfigError
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.num_devices or 1}"
+    with tempfile.TemporaryDirectory(prefix="maxtext-lowering-") as dump:
+        try:
+            return lower_step(cfg, dump, backend_optimization)
+        except ConfigError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - reported as the preflight's row, with its first line
+            return {"ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # here, not at the top: JAX loads only after main has set XLA_FLAGS (the simulated device count)
+    from MaxText.config.errors import ConfigError
+    from MaxText.config.load import load_config
+
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(json.dumps({"ok": False, "error": str(e)}))
+        return 2
+    result = lowered(cfg)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1

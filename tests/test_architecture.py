@@ -1,0 +1,196 @@
+"""The package layout is the design (README: Architecture): each package imports only from the layers below it,
+no module imports itself back through others, and an import inside a function says why in a comment.
+
+Layers, lowest first (a package may import its own modules and those of lower layers; packages of one layer
+stay out of each other):
+  config (no JAX)  ->  parallel, data  ->  layers  ->  step  ->  planning  ->  trainer  ->  utils.ckpt_conversion
+  ->  the commands (MaxText/<command>.py), benchmarks, upstream_paths
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "MaxText"
+COMMANDS = 7  # the layer of the entry points, benchmarks and upstream's command paths
+LAYERS = {"config": 0, "parallel": 1, "data": 1, "layers": 2, "step": 3, "planning": 4, "trainer": 5, "utils": 6,
+          "benchmarks": COMMANDS, "upstream_paths": COMMANDS}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """The package a module belongs to (its first name under MaxText; a command module is its own) and its layer."""
+    parts = module.split(".")
+    if module == "MaxText":
+        return "MaxText", 0  # the package's __init__: one environment variable, nothing imported
+    if parts[1] in LAYERS:
+        return parts[1], LAYERS[parts[1]]
+    return module, COMMANDS
+
+
+class Import:
+    def __init__(self, source: str, target: str, line: int, local: bool, commented: bool):
+        self.source, self.target, self.line, self.local, self.commented = source, target, line, local, commented
+
+    def __repr__(self):
+        return f"{MODULES[self.source].relative_to(ROOT)}:{self.line} imports {self.target}"
+
+
+def _resolve(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The project modules an import statement loads (a name imported from a package may be a submodule)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+        if node.level:
+            base = ".".join(base.split(".")[:len(base.split(".")) - node.level + 1])
+            origin = f"{base}.{node.module}" if node.module else base
+        else:
+            origin = node.module
+        names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in MODULES else origin for a in node.names]
+    found = []
+    for name in names:
+        while name not in MODULES and "." in name:
+            name = name.rpartition(".")[0]
+        if name in MODULES and name != module:
+            found.append(name)
+    return found
+
+
+def _commented(lines: list[str], import_lines: set[int], node) -> bool:
+    """A comment on the statement, or on the line above the block of import statements it stands in."""
+    if any("#" in text for text in lines[node.lineno - 1:node.end_lineno]):
+        return True
+    above = node.lineno - 2
+    while above >= 0 and (above in import_lines or not lines[above].strip()):
+        if "#" in lines[above]:
+            return True
+        above -= 1
+    return above >= 0 and lines[above].strip().startswith("#")
+
+
+def _imports(module: str) -> list[Import]:
+    path = MODULES[module]
+    lines = path.read_text().splitlines()
+    tree = ast.parse(path.read_text(), str(path))
+    top = set()
+    for node in tree.body:  # module level, also inside `if`/`try` at module level
+        top.update(id(n) for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)))
+    statements = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    import_lines = {line for n in statements for line in range(n.lineno - 1, n.end_lineno)}
+    out = []
+    for node in statements:
+        commented = _commented(lines, import_lines, node)
+        for target in _resolve(module, node):
+            if target.startswith("MaxText"):
+                out.append(Import(module, target, node.lineno, id(node) not in top, commented))
+    return out
+
+
+IMPORTS = [i for m in sorted(MODULES) for i in _imports(m)]
+
+
+def _defined(module: str) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports)."""
+    names = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_every_imported_name_exists():
+    """`from MaxText.x import y`: y is a module of x or a name x defines (a module moved and an import left behind
+    fails here, without running the code that imports it)."""
+    missing = []
+    for path in sorted([*MODULES.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("MaxText"):
+                if node.module not in MODULES:
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: no module {node.module}")
+                    continue
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" not in MODULES and alias.name not in _defined(node.module):
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} has no "
+                                       f"{alias.name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_package_has_a_layer():
+    unplaced = sorted({m.split(".")[1] for m in MODULES if m.count(".") >= 2 and m.split(".")[1] not in LAYERS})
+    assert not unplaced, f"packages without a layer in LAYERS: {unplaced}"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for i in IMPORTS:
+        (source, rank), (target, target_rank) = layer_of(i.source), layer_of(i.target)
+        if source != target and (target_rank > rank or (target_rank == rank and rank < COMMANDS)):
+            wrong.append(f"{i!r} ({source}, layer {rank} -> {target}, layer {target_rank})")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_no_import_circles():
+    graph = {m: set() for m in MODULES}
+    for i in IMPORTS:
+        graph[i.source].add(i.target)
+    state, stack, circles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                circles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_imports_inside_functions_say_why():
+    """Only with a comment on the statement or the line above it: JAX loads after the XLA flags are applied (the
+    commands), optional heavy dependencies load where they are used."""
+    silent = [repr(i) for i in IMPORTS if i.local and not i.commented and not i.source.startswith("MaxText.benchmarks")]
+    assert not silent, f"{len(silent)} imports of the project's own modules inside functions, no reason given:\n" + \
+        "\n".join(silent)
+
+
+@pytest.mark.parametrize("module", ["MaxText.config.load", "MaxText.config.checks", "MaxText.config.upstream",
+                                    "MaxText.config.storage", "MaxText.config.xla_flags", "MaxText.data",
+                                    "MaxText.planning.flops", "MaxText.train"])
+def test_the_configuration_layer_loads_no_jax(module, tmp_path):
+    """What the commands read before the XLA flags are applied never imports JAX (XLA reads its flags once)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False", f"importing {module} loads JAX"
