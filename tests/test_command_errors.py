@@ -16,6 +16,7 @@ import pytest
 
 from MaxText.trainer import forward, report
 from MaxText import plan as plan_command
+from MaxText.planning import preflight
 from MaxText.data import to_array_record
 from MaxText.utils.ckpt_conversion import check, from_upstream, to_huggingface, to_maxtext, to_upstream
 from tests import hf_tiny
