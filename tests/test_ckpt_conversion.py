@@ -237,6 +237,31 @@ def test_fp8_export_is_deepseeks_block_format(tmp_path):
     np.testing.assert_allclose(back.weight("model.layers.1.self_attn.kv_b_proj.weight"), w, atol=np.abs(w).max() / 14)
 
 
+def test_an_export_that_fails_mid_write_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk (ENOSPC from the third shard) while the export writes: the error comes through, and neither the
+    output directory nor its staging copy (<out>.partial) is left behind."""
+    import errno
+
+    from MaxText.utils.ckpt_conversion import safetensors_io, to_huggingface
+
+    config, tensors = hf_tiny.mixtral_or_qwen3("mixtral")
+    item, out, _ = imported(tmp_path, config, tensors)
+    written = []
+    real = safetensors_io.write_file
+
+    def filling(path, *args, **kwargs):
+        written.append(path)
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(to_huggingface, "write_file", filling)
+    with pytest.raises(OSError, match="No space left"):
+        _export(tmp_path, out, item, "hf_dtype=float32")
+    assert len(written) == 3, written
+    assert not (tmp_path / "hf_out").exists() and not (tmp_path / "hf_out.partial").exists()
+
+
 @pytest.mark.parametrize("case,phrase", [
     ("no params", "load_parameters_path=<run>/checkpoints/<step>/items is required"),
     ("directory in use", "exists and is not empty"),

@@ -14,7 +14,8 @@ import pytest
 
 from MaxText.config.errors import ConfigError
 from MaxText.data import make_data, python_stdlib, tfds_data, validate
-from MaxText.data.tfds_data import KEYS, TfdsData
+from MaxText.data.records import BATCH_KEYS as KEYS
+from MaxText.data.tfds_data import TfdsData
 from MaxText.data.tokenizer import ByteTokenizer, load_tokenizer
 from tests.corpora import EVAL_DOCS, L, PIPELINES, TRAIN_DOCS, Corpus, config_args, make_documents, write  # noqa: F401
 from tests.tiny import tiny_config
@@ -229,9 +230,9 @@ def test_eval_is_fixed_then_padding(corpus):
 def test_eval_steps_minus_one_reads_the_whole_split_once(corpus):
     """eval_steps=-1 (MaxText's "the whole eval split"): the evaluator takes batches up to the first all-padding
     one: every eval document once, no padding batch."""
-    from MaxText.train import _whole_split
+    from MaxText.trainer.evaluation import whole_split
 
-    batches = _whole_split(make_data(corpus.config("eval_steps=-1"), 2, split="eval"))
+    batches = whole_split(make_data(corpus.config("eval_steps=-1"), 2, split="eval"))
     assert batches and all(b["targets_segmentation"].any() for b in batches)
     docs = recovered_documents(stacked(batches), ByteTokenizer())
     assert collections.Counter(docs) == nonempty(EVAL_DOCS), f"{corpus}: eval_steps=-1 did not read the split once"

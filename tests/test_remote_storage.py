@@ -15,7 +15,7 @@ from MaxText.config import storage
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import load_config
 from MaxText.step.state import state_spec
-from MaxText.train import train
+from MaxText.trainer.loop import train
 from tests.gcs_emulator import BUCKET, emulator
 from tests.tiny import TINY, args, losses, train_records
 

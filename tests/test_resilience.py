@@ -16,7 +16,8 @@ from MaxText.trainer import checkpointing
 from MaxText.config import checks as config_checks
 from MaxText.config.load import load_config
 from MaxText.step.state import state_spec
-from MaxText.train import NonFiniteError, main, train
+from MaxText.trainer.loop import NonFiniteError, train
+from MaxText.train import main
 from tests.tiny import TINY as _TINY, args as tiny_args, losses, train_records
 
 # One schedule length whatever a run's steps: the train step's program (its learning rates are constants in it)
@@ -92,7 +93,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_0(tmp_path, signum):
 
 _TWO_CTRL_C = """
 import os, signal, sys, time
-from MaxText.train import StopFlag
+from MaxText.trainer.signals import StopFlag
 with StopFlag() as stop:
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)

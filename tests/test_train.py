@@ -143,7 +143,7 @@ def test_load_parameters_path_restores_the_routing_bias(tmp_path):
     """A DeepSeek-style model's routing biases come with its params (they used to restart at zero, re-routing
     every token at step 0), and the log line says so."""
     from MaxText.trainer.checkpointing import Checkpointer, load_full_state
-    from MaxText.train import initial_state
+    from MaxText.trainer.resume import initial_state
 
     keys = ["model_name=deepseek3-tiny", "override_model_config=true", "dtype=float32", "max_target_length=16",
             "per_device_batch_size=1",
@@ -204,7 +204,7 @@ def test_load_parameters_path_names_the_real_cause_of_missing_arrays(tmp_path):
 def test_num_devices_must_match_the_visible_devices(tmp_path):
     """A config laid out for N devices (a GPU recipe's num_devices) refuses to start on another count."""
     from MaxText.config.errors import ConfigError
-    from MaxText.train import train
+    from MaxText.trainer.loop import train
 
     cfg = load_config(TINY + [f"base_output_directory={tmp_path}", "num_devices=128"])
     with pytest.raises(ConfigError, match="num_devices=128 but 8 devices are visible"):
@@ -240,16 +240,16 @@ def test_resumed_run_reads_exactly_the_batches_an_uninterrupted_run_reads(tmp_pa
 
     from tests import corpora
 
-    from MaxText import data as data_lib
+    from MaxText.trainer import loop
 
     seen = []
-    make_data = data_lib.make_data
+    make_data = loop.make_data
 
     def recording_make_data(*args, **kwargs):
         data = make_data(*args, **kwargs)
         return _Recorder(data, seen) if kwargs.get("split", "train") == "train" else data
 
-    monkeypatch.setattr(data_lib, "make_data", recording_make_data)
+    monkeypatch.setattr(loop, "make_data", recording_make_data)  # the training stream's maker
     if pipeline == "tfds":
         source = ["dataset_type=tfds", "dataset_name=python_stdlib"]
     else:

@@ -259,7 +259,7 @@ def test_an_upstream_style_recipe_trains(tmp_path):
 def test_save_checkpoint_on_start_and_on_completion(tmp_path):
     """MaxText's save_checkpoint_on_start saves step 0 of a fresh run; save_checkpoint_on_completion=false skips the
     last step's save (only multiples of checkpoint_period)."""
-    from MaxText.train import train
+    from MaxText.trainer.loop import train
     from tests.tiny import TINY, args
 
     base = args(TINY, [f"base_output_directory={tmp_path}", "steps=2", "checkpoint_period=100",
@@ -275,11 +275,11 @@ def test_save_checkpoint_on_start_and_on_completion(tmp_path):
 
 def test_reuse_example_batch_repeats_the_first_batch():
     from MaxText.data.synthetic import SyntheticData
-    from MaxText.train import _Repeat
+    from MaxText.trainer.loop import Repeat
     from tests.tiny import tiny_config
 
     cfg = tiny_config("reuse_example_batch=1")
-    data, fresh = _Repeat(SyntheticData(cfg, 2)), SyntheticData(cfg, 2)
+    data, fresh = Repeat(SyntheticData(cfg, 2)), SyntheticData(cfg, 2)
     first = next(fresh)
     for _ in range(3):
         batch = next(data)
@@ -290,7 +290,7 @@ def test_reuse_example_batch_repeats_the_first_batch():
 def test_skip_jax_distributed_system_never_initializes(monkeypatch):
     import jax
 
-    from MaxText.train import maybe_initialize_distributed
+    from MaxText.parallel.distributed import maybe_initialize_distributed
 
     def refuse(**kwargs):
         raise AssertionError("jax.distributed.initialize was called")

@@ -30,7 +30,7 @@ def train_records(cfg, devices=None, log=lambda *_: None) -> list[dict]:
     import json
     import os
 
-    from MaxText.train import train
+    from MaxText.trainer.loop import train
 
     path = os.path.join(os.path.abspath(cfg.base_output_directory), cfg.run_name, "metrics", "metrics.jsonl")
     before = sum(1 for _ in open(path)) if os.path.exists(path) else 0

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     from MaxText.benchmarks import emit
     from MaxText.config.errors import ConfigError
     from MaxText.config.load import apply_xla_flags
-    from MaxText.train import maybe_initialize_distributed
+    from MaxText.parallel.distributed import maybe_initialize_distributed
 
     try:
         base = layer_config(problem, 1, a.kernels)

@@ -173,7 +173,7 @@ def check_ep(kit: Kit) -> dict:
 
 def check_impls_agree(kit: Kit) -> dict:
     """Losses of te_dropless and ragged on deepseek3-tiny, bf16, same data and init."""
-    from MaxText.train import train
+    from MaxText.trainer.loop import train
 
     steps = 3 if kit.smoke else 10
     base = ["model_name=deepseek3-tiny", "dtype=float32" if kit.smoke else "dtype=bfloat16", f"steps={steps}",

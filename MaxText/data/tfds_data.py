@@ -28,7 +28,7 @@ import tensorflow_datasets as tfds  # noqa: E402
 
 from MaxText.config.errors import ConfigError  # noqa: E402
 from MaxText.data import python_stdlib  # noqa: E402  (python_stdlib registers its builder)
-from MaxText.data.records import BATCH_KEYS, text_column
+from MaxText.data.records import text_column  # noqa: E402
 from MaxText.data.packing import PackedDocuments, epoch_seed  # noqa: E402
 from MaxText.data.tokenizer import load_tokenizer  # noqa: E402
 
@@ -38,7 +38,6 @@ except RuntimeError:  # TF already initialised its devices elsewhere in this pro
     pass
 
 SHUFFLE_BUFFER = 1024  # documents; on top of the shuffled file order
-KEYS = BATCH_KEYS
 
 
 def data_dir(cfg) -> str:

@@ -152,13 +152,12 @@ def _group_size(rest: str, num_devices: int) -> int | None:
     return None
 
 
-def count_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], int]:
-    """Every collective of the module with its executions per step, and how many while loops with collectives
-    inside had a trip count that could not be read (their bodies are counted once)."""
-    comps, entry = _parse(hlo_text)
-    callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)  # callee -> [(caller, factor)]
+def _call_graph(comps: dict) -> tuple[dict, dict, list]:
+    """Who calls whom: {callee: [(caller, times per call)]}, {caller: [callee]}, and the bodies of the while loops
+    whose trip count is not known (a data-dependent bound; counted once)."""
+    callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     callees: dict[str, list[str]] = collections.defaultdict(list)
-    unknown_bodies = []  # bodies of loops whose trip count is not known (a data-dependent bound)
+    unknown_bodies = []
     for name, instrs in comps.items():
         for instr in instrs:
             called = _CALLED.findall(instr.rest)
@@ -173,6 +172,14 @@ def count_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective]
             for callee in called:
                 callers[callee].append((name, factor))
                 callees[name].append(callee)
+    return callers, callees, unknown_bodies
+
+
+def count_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], int]:
+    """Every collective of the module with its executions per step, and how many while loops with collectives
+    inside had a trip count that could not be read (their bodies are counted once)."""
+    comps, entry = _parse(hlo_text)
+    callers, callees, unknown_bodies = _call_graph(comps)
 
     @functools.cache
     def has_collective(comp: str) -> bool:

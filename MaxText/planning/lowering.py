@@ -37,9 +37,22 @@ import sys
 import tempfile
 import time
 
+from MaxText.planning.collectives import by_group, count_collectives, largest, summarize
+
 FFI_STOP = "No FFI handler registered for te_"
 # XLA's options for the CPU compile, not XLA_FLAGS: per compile, so one process can lower several configs.
 _DUMP_OPTIONS = {"xla_dump_hlo_module_re": "jit_train_step", "xla_dump_hlo_pass_re": "spmd-partitioning"}
+
+
+def dumped_collectives(dump_dir: str, num_devices: int) -> dict | None:
+    """The collectives of the train step XLA dumped into dump_dir after SPMD partitioning (None: no dump)."""
+    partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt")))
+    if not partitioned:
+        return None
+    with open(partitioned[-1]) as f:
+        found, unknown_trips = count_collectives(f.read(), num_devices)
+    return {"per_device_per_step": summarize(found), "by_group": by_group(found), "largest": largest(found),
+            "loops_with_unknown_trips": unknown_trips}
 
 
 def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = True) -> dict:
@@ -85,20 +98,9 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
             stop = "compiled whole (no TE kernel)"
         except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
             stop = str(e).splitlines()[0] if str(e) else type(e).__name__
-    collectives = None
-    partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt"))
-                         ) if dump_dir else []
-    if partitioned:
-        # here, not at the top: JAX loads only after main has set XLA_FLAGS (the simulated device count)
-        from MaxText.planning.collectives import by_group, count_collectives, largest, summarize
-
-        with open(partitioned[-1]) as f:
-            found, unknown_trips = count_collectives(f.read(), mesh.devices.size)
-        collectives = {"per_device_per_step": summarize(found), "by_group": by_group(found),
-                       "largest": largest(found), "loops_with_unknown_trips": unknown_trips}
     return {
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
-        "collectives": collectives,
+        "collectives": dumped_collectives(dump_dir, mesh.devices.size) if dump_dir else None,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
         "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
         "cudnn_attention_ops": cudnn_ops,

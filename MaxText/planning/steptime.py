@@ -273,23 +273,9 @@ def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
     return out
 
 
-def ep_exchange_bytes(m: Model, lay: Layout, rows_per_peer: int, slots_per_row: int) -> float:
-    """Per GPU per step, the EP all-to-all buffers ep.py's exchange moves where the platform has no ragged
-    all-to-all (XLA:CPU: fixed buffers of rows_per_peer rows to every peer): per MoE layer, the rows out and
-    back, forward and in the backward (4), once more where the dispatch is rematerialised; the float32 payload
-    of (expert, weight) pairs per slot forward and backward, once more under any remat. On GPU the exchange is
-    ragged and moves the rows the routing sends (step_time's ep term counts the same exchanges)."""
-    if lay.ep <= 1:
-        return 0.0
-    rows = lay.ep * rows_per_peer * m.moe_layers
-    x = rows * m.emb * lay.dispatch_bytes * (4 + lay.dispatch_recompute)
-    payload = rows * 2 * slots_per_row * 4.0 * (2 + lay.expert_regather)
-    return x + payload
-
-
-def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
-    """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
-    tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
+def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[dict, float]:
+    """Seconds per step of each kind of computation for `tokens` per GPU ({term: s}) and their sum, slowed where
+    the EP exchange takes SMs of its own."""
     def peak(precision):
         return (hw.fp8_tflops * FP8_GEMM_FACTOR if precision == "fp8" else hw.bf16_tflops) * 1e12
 
@@ -307,8 +293,6 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     # (2 K F in, K F out), in bf16; FP8 casts read the GEMM inputs again. The backward moves about twice this.
     moe_bytes = 2 * ((2 + 2 * k) * d + 3 * k * f) + (2 * k * (d + f) if grouped_precision == "fp8" else 0)
     fsdp_dense = lay.fsdp_dense or lay.fsdp
-    dense_dp = lay.devices // (lay.tp * lay.pp * fsdp_dense)  # replicas of each dense weight shard
-    expert_dp = lay.devices // (lay.ep * lay.pp * lay.fsdp)
     local_params = (m.dense_params + m.expert_params) / lay.devices if lay.zero else (
         m.dense_params / (lay.tp * lay.pp * fsdp_dense) + m.expert_params / (lay.ep * lay.pp * lay.fsdp))
     t["memory_bound"] = (tokens * m.moe_layers * moe_bytes * passes + local_params * OPTIMIZER_BYTES_PER_PARAM) / hbm
@@ -316,6 +300,15 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     if lay.ep_overlap == "full" and lay.ep > 1:
         compute /= 1 - FULL_OVERLAP_SM_SHARE
 
+    return t, compute
+
+
+def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
+    """Seconds per step of each kind of communication for `tokens` per GPU ({ep, tp, fsdp, dp, offload: s})."""
+    d, k = m.emb, m.top_k
+    fsdp_dense = lay.fsdp_dense or lay.fsdp
+    dense_dp = lay.devices // (lay.tp * lay.pp * fsdp_dense)  # replicas of each dense weight shard
+    expert_dp = lay.devices // (lay.ep * lay.pp * lay.fsdp)
     comm = {}
     if lay.ep > 1 and m.experts > 1:
         units = {"slot": None, "gpu": lay.ep, "node": max(1, lay.ep * lay.tp // hw.nvlink_domain)}[lay.dispatch_per]
@@ -346,6 +339,14 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
         comm["dp"] = dp * lay.grad_accumulation
     if lay.offload_bytes:
         comm["offload"] = 2 * lay.offload_bytes / (hw.host_gbps * 1e9)
+    return comm
+
+
+def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
+    """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
+    tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
+    t, compute = compute_time(m, lay, hw, tokens)
+    comm = comm_time(m, lay, hw, tokens)
     if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'
         comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp")} | module_comm
 

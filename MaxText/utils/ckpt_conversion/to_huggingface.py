@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sys
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -122,8 +123,17 @@ def tokenizer_files(directory: str) -> list[str]:
     return found
 
 
-def export(argv: list[str], log=print) -> str:
-    """Runs the export; returns the directory written."""
+class _Options(NamedTuple):
+    dtype: str
+    shard_bytes: int
+    out_dir: str
+    tokenizer: list
+    cfg: object
+    family: object
+
+
+def _options(argv: list[str], log) -> _Options:
+    """The export's arguments, every one checked before any work (one line naming the argument otherwise)."""
     opts, rest = {"hf_dtype": "bfloat16", "hf_shard_gb": "5", "hf_tokenizer_path": ""}, []
     out_dir = None
     for arg in upstream_flags.normalize(list(argv), upstream_flags.TO_HUGGINGFACE, "to_huggingface", log):
@@ -156,7 +166,11 @@ def export(argv: list[str], log=print) -> str:
     family = family_of(cfg)
     if opts["hf_dtype"] == "fp8" and not isinstance(family, DeepSeek):
         raise ConfigError("hf_dtype=fp8 is DeepSeek's release format; use bfloat16 or float32 for this family")
+    return _Options(opts["hf_dtype"], shard_bytes, out_dir, tokenizer, cfg, family)
 
+
+def _saved_tree(cfg, config: dict) -> dict:
+    """The params (and routing biases) of load_parameters_path on this host, as numpy."""
     # here, not at the top: JAX and the model load only after the inputs pass their checks (a mistake is one line
     # without JAX's start-up)
     import jax
@@ -166,7 +180,6 @@ def export(argv: list[str], log=print) -> str:
     from MaxText.parallel import sharding
     from MaxText.step.state import state_spec
 
-    config = family.hf_config(cfg)
     spec = state_spec(cfg, plan.abstract_mesh({a: 1 for a in sharding.MESH_AXES}))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), spec.abstract)
@@ -174,23 +187,34 @@ def export(argv: list[str], log=print) -> str:
     if cfg.routed_bias and bias is None:
         raise ConfigError(f"load_parameters_path={shown_path(cfg.load_parameters_path)} holds no routing bias, "
                           f"which {config['model_type']} needs (e_score_correction_bias)")
-    tree = {"params": jax.device_get(params), **({"nnx_aux": jax.device_get(bias)} if bias is not None else {})}
-    tensors = hf_tensors(cfg, family, tree, opts["hf_dtype"])
-    config["torch_dtype"] = "float32" if opts["hf_dtype"] == "float32" else "bfloat16"
-    if opts["hf_dtype"] == "fp8":
+    return {"params": jax.device_get(params), **({"nnx_aux": jax.device_get(bias)} if bias is not None else {})}
+
+
+def export(argv: list[str], log=print) -> str:
+    """Runs the export; returns the directory written (staged beside it, so a failure leaves no partial copy)."""
+    opts = _options(argv, log)
+    cfg, out_dir = opts.cfg, opts.out_dir
+    config = opts.family.hf_config(cfg)
+    tensors = hf_tensors(cfg, opts.family, _saved_tree(cfg, config), opts.dtype)
+    config["torch_dtype"] = "float32" if opts.dtype == "float32" else "bfloat16"
+    if opts.dtype == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     staging = out_dir + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    write_directory(staging, config, tensors, shard_bytes)
-    for path in tokenizer:
-        shutil.copy(path, staging)
+    try:
+        write_directory(staging, config, tensors, opts.shard_bytes)
+        for path in opts.tokenizer:
+            shutil.copy(path, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk or Ctrl-C mid-write leaves nothing behind
+        raise
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty, checked above
     os.replace(staging, out_dir)
     total = sum(a.nbytes for a in tensors.values())
-    log(f"exported {cfg.load_parameters_path} as {config['model_type']} ({opts['hf_dtype']}, {len(tensors)} tensors, "
+    log(f"exported {cfg.load_parameters_path} as {config['model_type']} ({opts.dtype}, {len(tensors)} tensors, "
         f"{total / 2 ** 30:.2f} GiB) to {out_dir}")
     return out_dir
 
