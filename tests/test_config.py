@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from MaxText.config import checks, parse, load as config
-from MaxText.parallel import sharding
+from MaxText.parallel import checks as mesh_checks, sharding
 from MaxText.config.checks import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import load_config
@@ -371,13 +371,17 @@ def test_global_batch_size_not_whole_raises():
         config.global_batch_size(cfg, 8)
 
 
-def test_check_batch_refuses_batch_that_does_not_split_over_data_shards():
+def test_a_batch_that_does_not_split_over_the_data_shards_is_refused_with_the_mesh():
+    """The trainer (create_mesh), the planner and the preflight (mesh_shape) refuse it as the mesh is known."""
     cfg = load_config(["per_device_batch_size=0.5"])  # global batch 4 over fsdp=8
-    mesh = sharding.create_mesh(cfg)
-    assert dict(mesh.shape) == _axes(sharding.mesh_shape(cfg, 8))
+    for make in (lambda: sharding.create_mesh(cfg), lambda: sharding.mesh_shape(cfg, 8)):
+        with pytest.raises(ConfigError, match="per_device_batch_size"):
+            make()
+    shape = _axes(sharding.mesh_shape(load_config([]), 8))
+    assert shape == dict(sharding.create_mesh(load_config([])).shape)
     with pytest.raises(ConfigError, match="per_device_batch_size"):
-        sharding.check_batch(cfg, mesh, config.global_batch_size(cfg, 8))
-    sharding.check_batch(load_config([]), mesh, config.global_batch_size(load_config([]), 8))
+        mesh_checks.check_batch(cfg, shape, config.global_batch_size(cfg, 8))
+    mesh_checks.check_batch(load_config([]), shape, config.global_batch_size(load_config([]), 8))
 
 
 # ------------------------------------------------------------------------------- XLA flags

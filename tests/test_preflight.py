@@ -44,6 +44,9 @@ def test_every_gpu_recipe_passes(recipe):
     # gives each NVL72 domain one slice (2).
     ("old GB200 layout", ["ici_expert_parallelism=1", "dcn_expert_parallelism=8"], "mesh",
      "dcn_*_parallelism multiply to 16 but there are 2 slices"),
+    # A check of the config against its mesh (parallel/checks.py), said once, in the mesh row.
+    ("NCCL EP buffer below 1", ["ragged_buffer_factor=0.5"], "mesh", "which NCCL EP's receive buffer does not take"),
+    ("batch over the data shards", ["per_device_batch_size=0.5"], "mesh", "does not split over the 128 data shards"),
     ("offload over the pool", ["host_memory_limit_gb=64"], "pinned_pool", "set host_memory_limit_gb=132"),
     ("XLA's default pool", ["host_memory_limit_gb=null"], "pinned_pool", "(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)"),
     ("pool over host memory", ["host_memory_limit_gb=250"], "host_memory", "lower host_memory_limit_gb"),
@@ -59,6 +62,7 @@ def test_a_defect_fails_its_row_with_one_line(name, overrides, check, message):
     assert not result["ok"] and check in failed, f"{name}: {failed}"
     detail = failed[check]["detail"]
     assert message in detail and "\n" not in detail, f"{name}: {detail!r}"
+    assert sum(message in r["detail"] for r in result["rows"]) == 1, f"{name}: said more than once: {failed}"
 
 
 def test_wrong_tasks_per_node_fails():

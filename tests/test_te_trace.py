@@ -17,6 +17,7 @@ from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
 from MaxText.data.records import abstract_batch
 from MaxText.layers.moe import layout, te_dropless, te_kernels
+from MaxText.parallel import checks
 from MaxText.planning import te_trace
 from MaxText.layers.moe.block import ExpertWeights
 from MaxText.layers.moe.router import Routing
@@ -86,17 +87,17 @@ def test_nccl_ep_limits_are_refused_in_one_line(te_standin):
     NCCL EP experts in multiples of 4."""
     two_outer = {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1}
     with pytest.raises(ConfigError, match="one data-parallel axis"):
-        te_kernels.check_nccl_ep(tiny_config("moe_impl=te_dropless"), two_outer)
+        checks.check_nccl_ep(tiny_config("moe_impl=te_dropless"), two_outer)
     with pytest.raises(ConfigError, match="ragged_buffer_factor=0.5"):
-        te_kernels.check_nccl_ep(tiny_config("moe_impl=te_dropless", "ragged_buffer_factor=0.5"),
+        checks.check_nccl_ep(tiny_config("moe_impl=te_dropless", "ragged_buffer_factor=0.5"),
                                  {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1})
     with pytest.raises(ConfigError, match="num_experts=6"):
-        te_kernels.check_nccl_ep(tiny_config("moe_impl=te_dropless", "num_experts=6", "ici_expert_parallelism=2"),
+        checks.check_nccl_ep(tiny_config("moe_impl=te_dropless", "num_experts=6", "ici_expert_parallelism=2"),
                                  {"data": 1, "fsdp": 4, "expert": 2, "tensor": 1})
     # None applies without NCCL EP: the references' EP takes them all.
-    te_kernels.check_nccl_ep(tiny_config("moe_impl=te_dropless", "te_kernels=reference",
+    checks.check_nccl_ep(tiny_config("moe_impl=te_dropless", "te_kernels=reference",
                                          "ragged_buffer_factor=0.5"), two_outer)
-    te_kernels.check_nccl_ep(tiny_config("moe_impl=te_dropless", "ragged_buffer_factor=0.5"),
+    checks.check_nccl_ep(tiny_config("moe_impl=te_dropless", "ragged_buffer_factor=0.5"),
                              {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1})
 
 

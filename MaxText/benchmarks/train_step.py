@@ -38,7 +38,6 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     mesh = sharding.create_mesh(cfg)
     devices = mesh.devices.size
     global_batch = global_batch_size(cfg, devices)
-    sharding.check_batch(cfg, mesh, global_batch)
     spec = state_spec(cfg, mesh)
     with moe_runtime(cfg, mesh, global_batch):
         batch_sharding = sharding.batch_sharding(mesh)

@@ -15,9 +15,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from MaxText.config.checks import MESH_AXES
 from MaxText.config.errors import ConfigError
+from MaxText.parallel.checks import DATA_AXES, check_mesh
 
-# Mesh axes the batch is split over: attention and dense layers use the expert axis for data too.
-DATA_AXES = ("data", "fsdp", "expert")
 
 
 def _fill(group: str, cfg, total: int) -> list[int]:
@@ -51,22 +50,8 @@ def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
                 f"dcn_*_parallelism multiply to {math.prod(dcn)}, which does not divide the {num_devices} devices")
     ici = _fill("ici", cfg, num_devices // math.prod(dcn))
     shape = {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
-    if cfg.num_experts > 1 and cfg.num_experts % shape["expert"]:
-        raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
-                          f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
-    check_tensor_split(cfg, shape["tensor"])
+    check_mesh(cfg, shape)  # every check of the config against this shape, before anything is built on it
     return shape | {"_dcn": tuple(dcn), "_ici": tuple(ici)}
-
-
-def check_tensor_split(cfg, tensor: int) -> None:
-    """Tensor parallelism splits heads, MLP widths and the vocabulary: each must divide evenly."""
-    if tensor == 1:
-        return
-    heads = ("base_num_query_heads",) + (("base_num_kv_heads",) if cfg.attention_type == "mha" else ())
-    for key in heads + ("base_mlp_dim", "base_moe_mlp_dim", "vocab_size"):
-        if cfg[key] % tensor:
-            raise ConfigError(f"{key}={cfg[key]} does not split over the tensor axis of size {tensor}; change "
-                              "ici_tensor_parallelism/dcn_tensor_parallelism")
 
 
 def device_grid(cfg, devices) -> np.ndarray:
@@ -125,21 +110,6 @@ def logical_sharding(tree_of_logical_specs, mesh: Mesh, rules):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch arrays [B, L] are split over the data axes along B."""
     return NamedSharding(mesh, P(DATA_AXES))
-
-
-def check_batch(cfg, mesh: Mesh, global_batch: int) -> None:
-    """The global batch must split evenly over the data axes."""
-    shards = math.prod(mesh.shape[a] for a in DATA_AXES)
-    if global_batch % shards:
-        raise ConfigError(
-            f"per_device_batch_size={cfg.per_device_batch_size} gives a global batch of {global_batch}, which "
-            f"does not split over the {shards} data shards (data x fsdp x expert); change per_device_batch_size")
-    steps = cfg.gradient_accumulation_steps
-    if (global_batch // shards) % steps:
-        raise ConfigError(
-            f"gradient_accumulation_steps={steps} must divide each data shard's {global_batch // shards} rows of the "
-            f"global batch ({global_batch} over {shards} shards): every micro-batch splits over the same shards; "
-            "change per_device_batch_size or gradient_accumulation_steps")
 
 
 def constrain(x, logical_axes, rules):

@@ -39,6 +39,7 @@ from MaxText.config.load import HOST_POOL_ENV, XLA_DEFAULT_HOST_POOL_GB, cli_arg
 from MaxText.config.errors import ConfigError, error_line
 from MaxText.config.storage import shown_path
 from MaxText.config.hardware import GPU_PROFILES, GpuProfile, simulated_devices
+from MaxText.parallel import checks
 
 GIB = 1 << 30
 HOST_HEADROOM = 0.9  # of a host's memory: the OS, the data pipeline and the Python processes need the rest
@@ -124,8 +125,8 @@ def check_te(cfg, profile: GpuProfile, mesh_shape: dict) -> list[Row]:
 
     rows = _try("quantization", lambda: te_kernels.check_quantization(cfg, profile.sm / 10) or [
         Row("quantization", "pass", f"te_gmm_quantization={cfg.te_gmm_quantization} on SM {profile.sm / 10:g}")])
-    rows += _try("nccl_ep", lambda: te_kernels.check_nccl_ep(cfg, mesh_shape) or [
-        Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer" if te_kernels.nccl_ep_used(cfg, mesh_shape)
+    rows += _try("nccl_ep", lambda: checks.check_nccl_ep(cfg, mesh_shape) or [
+        Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer" if checks.nccl_ep_used(cfg, mesh_shape)
             else "not used (no expert parallelism through TE)")])
     return rows
 
@@ -226,7 +227,7 @@ def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = 
                                    f"{profile.nvlink_domain}, {profile.hbm_gib:g} GiB HBM, SM {profile.sm / 10:g}")]
     rows += check_devices(cfg, profile, tasks_per_node)
     devices_ok = rows[-1].status == "pass"
-    if devices_ok:
+    if devices_ok:  # the mesh row: every check of the config against its mesh (parallel/checks.py)
         rows += _try("mesh", lambda: check_mesh(cfg, profile))
     rows += check_xla_flags(cfg)
     rows += check_data(cfg)
@@ -243,7 +244,8 @@ def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = 
             plan = planner.plan(cfg, hbm_gib=cfg.hbm_gib or profile.hbm_gib)
             rows += check_memory(cfg, profile, plan)
         except ConfigError as e:
-            rows.append(Row("memory", "fail", str(e)))
+            if str(e) not in {r.detail for r in rows if r.check == "mesh"}:  # a mesh check: said once, in its row
+                rows.append(Row("memory", "fail", str(e)))
     layout_ok = devices_ok and all(r.status == "pass" for r in rows if r.check in ("mesh", "nccl_ep", "quantization"))
     if lower and layout_ok:
         rows += check_lowering(argv)

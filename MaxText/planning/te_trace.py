@@ -231,8 +231,7 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
 
     from MaxText.layers.moe import te_kernels  # noqa: PLC0415
 
-    shape = dict(mesh.shape)
-    te_kernels.check_nccl_ep(cfg, shape)
+    shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
     if not te_kernels.nccl_ep_used(cfg, shape):
         return
     args = te_kernels.ep_bootstrap_args(cfg, shape, global_batch)

@@ -102,7 +102,6 @@ def _train(cfg, log, devices, stop) -> dict | None:
         return None
     mesh = create_mesh(cfg, devices)
     global_batch = global_batch_size(cfg, mesh.devices.size)
-    sharding.check_batch(cfg, mesh, global_batch)
     primary = jax.process_index() == 0
     run_dir, checkpoint_dir = run_directories(cfg)
     log(f"run {cfg.run_name}: mesh {dict(mesh.shape)}, global batch {global_batch} x {cfg.max_target_length} "

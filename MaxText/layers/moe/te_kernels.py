@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from MaxText.config.errors import ConfigError
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
+from MaxText.parallel.checks import nccl_ep_used
 
 ALIGN = 128  # rows per expert group: TE's MXFP8 grouped GEMM and NCCL EP both need 128-row groups
 
@@ -196,38 +197,6 @@ def mesh_context(cfg):
                                                        ep_resource="expert", tp_resource="tensor"))
 
 
-def nccl_ep_used(cfg, mesh_shape) -> bool:
-    """Whether te_dropless runs NCCL EP on a mesh of this shape (TE kernels and expert parallelism)."""
-    return cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and mesh_shape.get("expert", 1) > 1
-
-
-def check_nccl_ep(cfg, mesh_shape) -> None:
-    """What NCCL EP cannot take, refused in one line before anything is built (no-op when it is not used).
-
-    TE's MeshResource names one data-parallel axis outside `expert` (ep.py `_ep_outer_axis`: a second one
-    makes ep_dispatch's leading dim wrong), NCCL EP wants num_experts % 4 == 0, and
-    get_moe_recv_capacity_per_rank raises for a receive capacity factor below 1; its dispatch takes a layer's
-    tokens in one call (no num_moe_token_chunks)."""
-    if not nccl_ep_used(cfg, mesh_shape):
-        return
-    outer = [a for a in ("data", "fsdp") if mesh_shape.get(a, 1) > 1]
-    if len(outer) > 1:
-        raise ConfigError(f"moe_impl=te_dropless with expert parallelism (NCCL EP) takes one data-parallel axis "
-                          f"beside `expert`, the mesh has {' and '.join(f'{a}={mesh_shape[a]}' for a in outer)}; "
-                          "set ici/dcn_data_parallelism=1 (use fsdp) or te_kernels=reference")
-    if cfg.num_experts % 4:
-        raise ConfigError(f"num_experts={cfg.num_experts}: NCCL EP lays out num_experts (local experts x expert "
-                          "parallelism) in groups of 4 for its TMA copies (TE tests/jax/test_multi_process_ep.py); "
-                          "use a multiple of 4 or te_kernels=reference")
-    if cfg.ragged_buffer_factor is not None and cfg.ragged_buffer_factor < 1.0:
-        raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} is below 1, which NCCL EP's receive "
-                          "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
-    if cfg.num_moe_token_chunks > 1:
-        raise ConfigError(f"num_moe_token_chunks={cfg.num_moe_token_chunks}: NCCL EP dispatches a layer's tokens in "
-                          "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1, "
-                          "or te_kernels=reference / moe_impl=ragged")
-
-
 def tokens_per_ep_rank(mesh_shape, tokens: int) -> int:
     """Tokens one NCCL EP rank sends of a step's `tokens`: the batch splits over every mesh axis but `tensor`."""
     return tokens // math.prod(size for axis, size in mesh_shape.items() if axis != "tensor")
@@ -249,8 +218,7 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
     a no-op unless te_dropless runs TE kernels with expert parallelism. Overflow beyond a smaller
     ragged_buffer_factor is dropped by NCCL EP and reported through total_recv_tokens; the dropless
     default never overflows."""
-    shape = dict(mesh.shape)
-    check_nccl_ep(cfg, shape)
+    shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
     if not nccl_ep_used(cfg, shape):
         return
     if jax.local_device_count() != 1:

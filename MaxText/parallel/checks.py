@@ -1,0 +1,84 @@
+"""The checks of a config against its mesh's shape, in one function run as soon as the shape is known
+(sharding.mesh_shape): the trainer, the planner, the preflight and the layout search refuse the same configs, in
+one line naming the keys, before anything is built on the mesh. No JAX here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import global_batch_size
+
+# Mesh axes the batch is split over: attention and dense layers use the expert axis for data too.
+DATA_AXES = ("data", "fsdp", "expert")
+
+
+def check_mesh(cfg, shape: dict) -> None:
+    """Experts over the expert axis, widths over the tensor axis, the global batch over the data axes, and what
+    NCCL EP cannot take; `shape` is {axis: size}."""
+    if cfg.num_experts > 1 and cfg.num_experts % shape["expert"]:
+        raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
+                          f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
+    check_tensor_split(cfg, shape["tensor"])
+    devices = math.prod(shape[a] for a in ("data", "fsdp", "expert", "tensor"))
+    check_batch(cfg, shape, global_batch_size(cfg, devices))
+    check_nccl_ep(cfg, shape)
+
+
+def check_tensor_split(cfg, tensor: int) -> None:
+    """Tensor parallelism splits heads, MLP widths and the vocabulary: each must divide evenly."""
+    if tensor == 1:
+        return
+    heads = ("base_num_query_heads",) + (("base_num_kv_heads",) if cfg.attention_type == "mha" else ())
+    for key in heads + ("base_mlp_dim", "base_moe_mlp_dim", "vocab_size"):
+        if cfg[key] % tensor:
+            raise ConfigError(f"{key}={cfg[key]} does not split over the tensor axis of size {tensor}; change "
+                              "ici_tensor_parallelism/dcn_tensor_parallelism")
+
+
+def check_batch(cfg, shape: dict, global_batch: int) -> None:
+    """The global batch must split evenly over the data axes."""
+    shards = math.prod(shape[a] for a in DATA_AXES)
+    if global_batch % shards:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.per_device_batch_size} gives a global batch of {global_batch}, which "
+            f"does not split over the {shards} data shards (data x fsdp x expert); change per_device_batch_size")
+    steps = cfg.gradient_accumulation_steps
+    if (global_batch // shards) % steps:
+        raise ConfigError(
+            f"gradient_accumulation_steps={steps} must divide each data shard's {global_batch // shards} rows of the "
+            f"global batch ({global_batch} over {shards} shards): every micro-batch splits over the same shards; "
+            "change per_device_batch_size or gradient_accumulation_steps")
+
+
+def nccl_ep_used(cfg, mesh_shape) -> bool:
+    """Whether te_dropless runs NCCL EP on a mesh of this shape (TE kernels and expert parallelism)."""
+    return cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and mesh_shape.get("expert", 1) > 1
+
+
+def check_nccl_ep(cfg, mesh_shape) -> None:
+    """What NCCL EP cannot take, refused in one line before anything is built (no-op when it is not used).
+
+    TE's MeshResource names one data-parallel axis outside `expert` (ep.py `_ep_outer_axis`: a second one
+    makes ep_dispatch's leading dim wrong), NCCL EP wants num_experts % 4 == 0, and
+    get_moe_recv_capacity_per_rank raises for a receive capacity factor below 1; its dispatch takes a layer's
+    tokens in one call (no num_moe_token_chunks)."""
+    if not nccl_ep_used(cfg, mesh_shape):
+        return
+    outer = [a for a in ("data", "fsdp") if mesh_shape.get(a, 1) > 1]
+    if len(outer) > 1:
+        raise ConfigError(f"moe_impl=te_dropless with expert parallelism (NCCL EP) takes one data-parallel axis "
+                          f"beside `expert`, the mesh has {' and '.join(f'{a}={mesh_shape[a]}' for a in outer)}; "
+                          "set ici/dcn_data_parallelism=1 (use fsdp) or te_kernels=reference")
+    if cfg.num_experts % 4:
+        raise ConfigError(f"num_experts={cfg.num_experts}: NCCL EP lays out num_experts (local experts x expert "
+                          "parallelism) in groups of 4 for its TMA copies (TE tests/jax/test_multi_process_ep.py); "
+                          "use a multiple of 4 or te_kernels=reference")
+    if cfg.ragged_buffer_factor is not None and cfg.ragged_buffer_factor < 1.0:
+        raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} is below 1, which NCCL EP's receive "
+                          "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
+    if cfg.num_moe_token_chunks > 1:
+        raise ConfigError(f"num_moe_token_chunks={cfg.num_moe_token_chunks}: NCCL EP dispatches a layer's tokens in "
+                          "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1, "
+                          "or te_kernels=reference / moe_impl=ragged")
