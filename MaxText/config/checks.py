@@ -7,12 +7,11 @@ else. The sets of allowed values live here beside the checks that use them.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 import re
+from fractions import Fraction
 
 from MaxText.config.errors import ConfigError, clip, shown
 from MaxText.config.hardware import GPU_PROFILES
-
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # run_name and model_name: one path component, never a way out of its directory.

@@ -8,7 +8,7 @@ Order of precedence, lowest first (upstream MaxText's):
 A key that 2 or 4 sets and the model file sets otherwise is an error unless override_model_config=true
 (_model_layer says exactly when).
 A value is parsed to the type of its default in base.yml (keys whose default is null are typed in
-OPTIONAL_KEY_TYPES). The cross-key checks are checks.py's; each raises ConfigError naming the
+parse.OPTIONAL_KEY_TYPES). The cross-key checks are checks.py's; each raises ConfigError naming the
 keys. Loading touches no JAX device, network or output directory.
 """
 

@@ -505,9 +505,9 @@ def markdown() -> str:
         lines.append(f"| `{key}` | {show(ours[key])} | {show(upstream_defaults()[key])} | the default job's model; "
                      "a model file that leaves it out gets upstream's default |")
     for key, reason in DEFAULT_DIFFERENCES.items():
-        shown = ("this trainer's rules" if key == "logical_axis_rules" else show(ours[key]),
-                 "upstream's rules" if key == "logical_axis_rules" else show(upstream_defaults()[key]))
-        lines.append(f"| `{key}` | {shown[0]} | {shown[1]} | {reason} |")
+        here, theirs = ("this trainer's rules" if key == "logical_axis_rules" else show(ours[key]),
+                        "upstream's rules" if key == "logical_axis_rules" else show(upstream_defaults()[key]))
+        lines.append(f"| `{key}` | {here} | {theirs} | {reason} |")
     lines += ["", "Upstream's values of keys both have:", "", "| value | here |", "|---|---|"]
     for (key, value), (ours, note) in VALUE_SPELLINGS.items():
         lines.append(f"| `{key}={value}` | `{key}={ours}`: {note} |")

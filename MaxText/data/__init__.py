@@ -1,7 +1,5 @@
-"""Input pipelines: the one a config names (make_data) and its start-up checks (validate). Each pipeline
-is an iterator (what they share is records.py's).
-
-Input pipelines. Each is an iterator over this process's rows of global batches: dicts of [rows, L] int32
+"""Input pipelines: the one a config names (make_data) and its start-up checks (validate); what the pipelines
+share is records.py's. Each is an iterator over this process's rows of global batches: dicts of [rows, L] int32
 numpy arrays inputs, targets, inputs_position, inputs_segmentation, targets_segmentation (segment 0 =
 padding), with `state()` (a JSON-able position after the last batch returned) and a `state=` argument that
 resumes exactly there. split="train" is the endless training stream; split="eval" starts from the same

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from MaxText.config.checks import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
 
@@ -21,7 +22,7 @@ def check_mesh(cfg, shape: dict) -> None:
         raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
                           f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
     check_tensor_split(cfg, shape["tensor"])
-    devices = math.prod(shape[a] for a in ("data", "fsdp", "expert", "tensor"))
+    devices = math.prod(shape[a] for a in MESH_AXES)
     check_batch(cfg, shape, global_batch_size(cfg, devices))
     check_nccl_ep(cfg, shape)
 

@@ -118,17 +118,19 @@ def check_data(cfg) -> list[Row]:
     return [Row("data", "pass", f"{name}, tokenizer {cfg.tokenizer_path or 'byte-level'} (files checked at start-up)")]
 
 
-def check_te(cfg, profile: GpuProfile, mesh_shape: dict) -> list[Row]:
+def check_quantization(cfg, profile: GpuProfile) -> list[Row]:
     # here, not at the top: JAX loads only for the checks that need it (a recipe's mistakes are one line without JAX's
     # start-up)
     from MaxText.layers.moe import te_kernels
 
-    rows = _try("quantization", lambda: te_kernels.check_quantization(cfg, profile.sm / 10) or [
+    return _try("quantization", lambda: te_kernels.check_quantization(cfg, profile.sm / 10) or [
         Row("quantization", "pass", f"te_gmm_quantization={cfg.te_gmm_quantization} on SM {profile.sm / 10:g}")])
-    rows += _try("nccl_ep", lambda: checks.check_nccl_ep(cfg, mesh_shape) or [
-        Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer" if checks.nccl_ep_used(cfg, mesh_shape)
-            else "not used (no expert parallelism through TE)")])
-    return rows
+
+
+def nccl_ep_row(cfg, mesh_shape: dict) -> Row:
+    """Whether NCCL EP runs on this mesh; what it cannot take was refused with the mesh (the mesh row)."""
+    return Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer" if checks.nccl_ep_used(cfg, mesh_shape)
+               else "not used (no expert parallelism through TE)")
 
 
 def check_memory(cfg, profile: GpuProfile, plan: dict) -> list[Row]:
@@ -238,9 +240,10 @@ def preflight(argv: list[str], tasks_per_node: int | None = None, lower: bool = 
         from MaxText.planning import plan as planner
         from MaxText.parallel import sharding
 
+        rows += check_quantization(cfg, profile)
         try:
-            mesh_shape = sharding.mesh_shape(cfg, cfg.num_devices)
-            rows += check_te(cfg, profile, mesh_shape)
+            mesh_shape = sharding.mesh_shape(cfg, cfg.num_devices)  # runs the mesh checks again: the mesh row says them
+            rows.append(nccl_ep_row(cfg, mesh_shape))
             plan = planner.plan(cfg, hbm_gib=cfg.hbm_gib or profile.hbm_gib)
             rows += check_memory(cfg, profile, plan)
         except ConfigError as e:

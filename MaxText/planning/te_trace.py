@@ -230,9 +230,10 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
     from transformer_engine.jax.sharding import get_mesh_axis_size  # noqa: PLC0415
 
     from MaxText.layers.moe import te_kernels  # noqa: PLC0415
+    from MaxText.parallel import checks  # noqa: PLC0415
 
     shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
-    if not te_kernels.nccl_ep_used(cfg, shape):
+    if not checks.nccl_ep_used(cfg, shape):
         return
     args = te_kernels.ep_bootstrap_args(cfg, shape, global_batch)
     outer = tex_ep._ep_outer_axis()  # noqa: SLF001 - the axis TE's ep_bootstrap reads

@@ -13,8 +13,13 @@ import signal
 import sys
 import threading
 
-SECOND_SIGINT = "SIGINT again: exiting now; the newest durable checkpoint is kept"
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_now() -> None:
+    """A second SIGINT: exit at once (status 130), saving nothing more."""
+    print("\nSIGINT again: exiting now; the newest durable checkpoint is kept", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 class EarlySignals:
@@ -32,8 +37,7 @@ class EarlySignals:
     def _record(self, signum, _frame) -> None:
         self.received.append(signum)
         if self.received.count(signal.SIGINT) > 1:
-            print(f"\n{SECOND_SIGINT}", file=sys.stderr, flush=True)
-            os._exit(130)
+            exit_now()
 
 
 EARLY = EarlySignals()  # the process's one early catcher: signals are per process
@@ -58,8 +62,7 @@ class StopFlag:
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
-                print(f"\n{SECOND_SIGINT}", file=sys.stderr, flush=True)
-                os._exit(130)
+                exit_now()
             print("\nSIGINT: stopping after this step with a checkpoint (Ctrl-C again exits at once)",
                   file=sys.stderr, flush=True)
         if not self.set:
