@@ -1,8 +1,8 @@
 """A CPU double of NCCL EP's contract (Transformer Engine 2.20's `transformer_engine.jax.ep`), in pure JAX.
 
-TE's ep_dispatch / ep_combine run only as CUDA kernels, so te_dropless.nccl_ep_moe cannot run on CPU with
+TE's ep_dispatch / ep_combine run only as CUDA kernels, so nccl_ep.NcclEp cannot run on CPU with
 them. This double has their signatures, output shapes, shardings and receive-buffer layout, and computes
-the same values with gathers inside jax.shard_map, so nccl_ep_moe runs numerically on CPU and its gradients
+the same values with gathers inside jax.shard_map, so the NCCL EP dispatcher runs numerically on CPU and its gradients
 come from JAX's autodiff of those gathers (what NCCL EP's custom VJPs compute by hand). Correctness, not
 speed: each rank all-gathers its EP group's routing and tokens.
 
@@ -22,35 +22,35 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from MaxText.layers.moe import te_kernels
+from MaxText.layers.moe import te_kernels, te_runtime
 
 
 def _batch_axes():
     """The mesh axes EP tensors' leading dim is split over, `expert` innermost (TE cpp_extensions/ep.py
     _leading_axis_ok: "Leading dim is ``ep`` or a tuple ending in ``ep`` (outer dp/fsdp axes first)"), and
-    the `expert` axis itself, as TE's global_mesh_resource names them (te_kernels.mesh_context sets it)."""
+    the `expert` axis itself, as TE's global_mesh_resource names them (te_runtime.mesh_context sets it)."""
     from transformer_engine.jax.sharding import global_mesh_resource
 
     mesh = jax.sharding.get_abstract_mesh()
     names = global_mesh_resource()
     if mesh.empty or names.ep_resource is None:
-        raise ValueError("nccl_ep_double: call inside jax.set_mesh(...) and te_kernels.mesh_context(cfg), "
+        raise ValueError("nccl_ep_double: call inside jax.set_mesh(...) and te_runtime.mesh_context(cfg), "
                          "as NCCL EP reads its axes from both")
     axes = tuple(a for a in (names.dp_resource, names.fsdp_resource) if a is not None and a in mesh.shape)
     return axes + (names.ep_resource,), names.ep_resource
 
 
 class NcclEpDouble:
-    """The `te["ep"]` namespace nccl_ep_moe uses: EpLayerConfig, ep_dispatch, ep_combine.
+    """The `te["ep"]` namespace the NCCL EP dispatcher uses: EpLayerConfig, ep_dispatch, ep_combine.
 
-    Built from the arguments of te_kernels.ep_bootstrap_args, as NCCL EP sizes its buffers at bootstrap:
+    Built from the arguments of te_runtime.ep_bootstrap_args, as NCCL EP sizes its buffers at bootstrap:
     a step that sends more tokens per rank or asks for a larger receive buffer than was bootstrapped is
     refused (on GPUs it would overrun NCCL EP's buffers)."""
 
     def __init__(self, num_experts: int, max_tokens_per_rank: int, recv_capacity_per_rank: int, hidden_dim: int):
         from transformer_engine.jax.ep import EpLayerConfig
 
-        self.EpLayerConfig = EpLayerConfig  # noqa: N802 - TE's name, read by nccl_ep_moe
+        self.EpLayerConfig = EpLayerConfig  # noqa: N802 - TE's name, read by the NCCL EP dispatcher
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
         self.recv_capacity_per_rank = recv_capacity_per_rank
@@ -179,8 +179,8 @@ def _dispatch_body(*, num_experts, ep_size, ep_axis, align, recv_rows):
 
 
 def namespace(cfg, mesh_shape, global_batch: int) -> NcclEpDouble:
-    """The double bootstrapped as te_kernels.bootstrap_ep would bootstrap NCCL EP for this config and mesh."""
-    args = te_kernels.ep_bootstrap_args(cfg, dict(mesh_shape), global_batch)
+    """The double bootstrapped as te_runtime.bootstrap_ep would bootstrap NCCL EP for this config and mesh."""
+    args = te_runtime.ep_bootstrap_args(cfg, dict(mesh_shape), global_batch)
     return NcclEpDouble(args["num_experts"], args["max_tokens_per_rank"], args["recv_capacity_per_rank"],
                         args["hidden_dim"])
 
@@ -189,15 +189,15 @@ def slack_grouped_gemm(x_RD, w_EDF, group_sizes_E, quantization: str):
     """The reference grouped GEMM with the rows past the last group joined to the last group, as TE's V1
     grouped GEMM takes them (sum(group_sizes) == rows), and without te_kernels._te_grouped_gemm's own zeroing
     of those rows: the plain reference never reads them, so an unmasked NaN tail would pass unseen on CPU;
-    with this, the tail reaches the last expert's output and weight gradients unless nccl_ep_moe's per-rank
+    with this, the tail reaches the last expert's output and weight gradients unless the NCCL EP dispatcher's per-rank
     masking stops it (the tests prove that masking on its own)."""
     sizes_E = group_sizes_E.at[-1].add(x_RD.shape[0] - jnp.sum(group_sizes_E))
     return te_kernels.reference_grouped_gemm(x_RD, w_EDF, sizes_E, quantization)
 
 
 def kernels(cfg, mesh_shape, global_batch: int) -> te_kernels.Kernels:
-    """The kernel set nccl_ep_moe runs on CPU: the reference top-k, the reference grouped GEMM with TE's tail
-    slack, the double for NCCL EP and TE's real moe module (te_kernels.ep_recv_capacity reads
+    """The kernel set the NCCL EP dispatcher runs on CPU: the reference top-k, the reference grouped GEMM with TE's tail
+    slack, the double for NCCL EP and TE's real moe module (te_runtime.ep_recv_capacity reads
     get_moe_recv_capacity_per_rank from it)."""
     from transformer_engine.jax import moe
 

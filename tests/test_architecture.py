@@ -194,3 +194,78 @@ def test_the_configuration_layer_loads_no_jax(module, tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False", f"importing {module} loads JAX"
+
+
+# ------------------------------------------------------------------------------------------- the MoE layer's depth
+
+MOE_MESHES = {"none": None, "fsdp8": ["ici_fsdp_parallelism=8"],
+              "fsdp2_expert4": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"],
+              "expert8_token_chunks3": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "num_moe_token_chunks=3"]}
+
+
+def calls_to_grouped_gemm(impl: str, mesh_keys) -> list[int]:
+    """While moe_ffn of `impl` traces: for every call of the grouped GEMM (gmm.grouped_matmul under the
+    reference kernels; dense's batched einsums), the calls from moe_ffn to it, counted as the frames of
+    MaxText/ code on the stack from the GEMM's caller up to moe_ffn (JAX's own frames, shard_map's included,
+    are not counted)."""
+    import sys  # noqa: PLC0415 - these three load JAX; the rest of this file must not need it
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from MaxText.layers.moe.block import MOE_FFNS  # noqa: PLC0415
+    from MaxText.layers.moe.experts import ExpertWeights  # noqa: PLC0415
+    from MaxText.layers.moe.gmm import grouped_matmul  # noqa: PLC0415
+    from MaxText.layers.moe.router import Routing  # noqa: PLC0415
+    from MaxText.parallel import sharding  # noqa: PLC0415
+    from tests.tiny import tiny_config  # noqa: PLC0415
+
+    t, d, f, e, k = 128, 16, 32, 8, 2
+    cfg = tiny_config(f"moe_impl={impl}", "te_kernels=reference", f"num_experts={e}", "max_target_length=16",
+                      f"base_emb_dim={d}", f"base_moe_mlp_dim={f}", f"num_experts_per_tok={k}", *(mesh_keys or []))
+    rules = sharding.axis_rules(cfg) if mesh_keys else None
+    depths = []
+
+    def is_gemm(code) -> bool:
+        dense_gemm = code.co_filename.endswith("moe/dense.py") and code.co_name == "matmul"
+        return code is grouped_matmul.__code__ or dense_gemm
+
+    def profile(frame, event, arg):
+        if event != "call" or not is_gemm(frame.f_code):
+            return
+        calls, caller = 0, frame.f_back
+        while caller is not None:
+            if str(PACKAGE) in caller.f_code.co_filename:
+                calls += 1
+                if caller.f_code.co_name == "moe_ffn":
+                    depths.append(calls)
+                    return
+            caller = caller.f_back
+        depths.append(-1)  # not reached from a moe_ffn
+
+    w = ExpertWeights(jnp.zeros((e, d, f)), jnp.zeros((e, d, f)), jnp.zeros((e, f, d)))
+    routing = Routing(jnp.ones((t, k)), jnp.zeros((t, k), jnp.int32), jnp.zeros(()), jnp.zeros(()), jnp.zeros((e,)),
+                      jnp.zeros(()))
+
+    def trace():
+        jax.make_jaxpr(lambda x, w: MOE_FFNS[impl](x, routing, w, cfg, rules)[0])(jnp.zeros((t, d)), w)
+
+    sys.setprofile(profile)
+    try:
+        if mesh_keys:
+            with jax.set_mesh(sharding.create_mesh(cfg)):
+                trace()
+        else:
+            trace()
+    finally:
+        sys.setprofile(None)
+    return depths
+
+
+@pytest.mark.parametrize("mesh_name", list(MOE_MESHES))
+@pytest.mark.parametrize("impl", ["dense", "ragged", "te_dropless"])
+def test_moe_ffn_reaches_the_grouped_gemm_in_at_most_4_calls(impl, mesh_name):
+    """moe_ffn -> layout.run -> the per-device stages -> expert_ffn -> the GEMM: the MoE layer is four stages
+    in one function, not a chain of callbacks (three GEMMs per chunk of tokens, each reached that way)."""
+    depths = calls_to_grouped_gemm(impl, MOE_MESHES[mesh_name])
+    assert len(depths) >= 3, f"{impl} on {mesh_name}: the grouped GEMM was called {len(depths)} times"
+    assert -1 not in depths and max(depths) <= 4, f"{impl} on {mesh_name}: calls from moe_ffn {depths}"

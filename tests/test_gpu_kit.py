@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from MaxText.benchmarks import ep_check, gpu_check
-from MaxText.layers.moe import te_kernels
+from MaxText.layers.moe import te_kernels, te_runtime
 from MaxText.planning import te_trace
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
@@ -103,7 +103,7 @@ def test_ep_check_traces_and_partitions_the_nccl_ep_layer(te_standin):
     cfg, mesh, rules, global_batch, host = _ep_setup("auto")
     cfg_ref = ep_check.layer_config(EP_PROBLEM, jax.device_count(), "reference")
     te_trace.register_cpu_lowerings()
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         te_trace.bootstrap_ep(cfg, mesh, global_batch)
         args = ep_check.device_inputs(host, mesh, rules)
         args = [args[n] for n in ("x", "wi_0", "wi_1", "wo", "experts", "weights", "cotangent")]

@@ -14,7 +14,8 @@ from flax import nnx
 
 from MaxText.config.load import load_config
 from MaxText.layers.moe import dense, router
-from MaxText.layers.moe.block import ExpertWeights, MoeBlock
+from MaxText.layers.moe.block import MoeBlock
+from MaxText.layers.moe.experts import ExpertWeights
 from tests.moe_reference import capacity_kept_reference, moe_reference
 
 B, S, D, F, K = 2, 16, 16, 32, 2   # 2 sequences of 16 tokens

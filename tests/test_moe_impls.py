@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from MaxText.parallel import sharding
-from MaxText.layers.moe.block import MOE_FFNS, ExpertWeights
+from MaxText.layers.moe.block import MOE_FFNS
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import Routing
 from tests.moe_reference import moe_reference
 from tests.tiny import tiny_config
@@ -27,8 +28,8 @@ MESHES = {
     "fsdp2_expert4_one_row_per_choice": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "ep_dedup=false"],
     "expert8_three_token_chunks": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "num_moe_token_chunks=3"],
 }
-# Keys of the dropless EP path that ragged and te_dropless's reference share (ep.expert_parallel_moe,
-# layout.run_on_mesh): run for ragged alone; dense does not read them.
+# Keys of the dropless EP path that ragged and te_dropless's reference share (ep.ExpertParallel,
+# the chunk loop of dropless.moe_ffn): run for ragged alone; dense does not read them.
 RAGGED_ONLY = ("fsdp2_expert4_one_row_per_choice", "expert8_three_token_chunks")
 
 
@@ -291,21 +292,21 @@ def test_rank_rows_group_each_tokens_choices_by_device(num_experts, top_k, num_p
     weights = rng.uniform(0.1, 1.0, (t, top_k)).astype(np.float32)
     got = jax.jit(ep.rank_rows, static_argnums=(2, 3, 4))(experts, weights, local, num_peers, True)
     p, j = min(top_k, num_peers), min(top_k, local)
-    assert got.local_TPJ.shape == (t, p, j) and got.weights_TPJ.shape == (t, p, j)
+    assert got.local_TQJ.shape == (t, p, j) and got.weights_TQJ.shape == (t, p, j)
     for i in range(t):
         devices = sorted(set(experts[i] // local))
         want_dest = devices + [num_peers] * (p - len(devices))
-        np.testing.assert_array_equal(got.dest_TP[i], want_dest, err_msg=f"token {i}")
+        np.testing.assert_array_equal(got.dest_TQ[i], want_dest, err_msg=f"token {i}")
         for row, device in enumerate(devices):
             there = [k for k in range(top_k) if experts[i, k] // local == device]
             want_local = [experts[i, k] % local for k in there] + [local] * (j - len(there))
             want_weights = [weights[i, k] for k in there] + [0.0] * (j - len(there))
-            np.testing.assert_array_equal(got.local_TPJ[i, row], want_local, err_msg=f"token {i} row {row}")
-            np.testing.assert_array_equal(got.weights_TPJ[i, row], want_weights, err_msg=f"token {i} row {row}")
-        assert (np.asarray(got.local_TPJ[i, len(devices):]) == local).all()
+            np.testing.assert_array_equal(got.local_TQJ[i, row], want_local, err_msg=f"token {i} row {row}")
+            np.testing.assert_array_equal(got.weights_TQJ[i, row], want_weights, err_msg=f"token {i} row {row}")
+        assert (np.asarray(got.local_TQJ[i, len(devices):]) == local).all()
     per_choice = ep.rank_rows(experts, weights, local, num_peers, False)
-    np.testing.assert_array_equal(per_choice.dest_TP, experts // local)
-    np.testing.assert_array_equal(per_choice.local_TPJ[..., 0], experts % local)
+    np.testing.assert_array_equal(per_choice.dest_TQ, experts // local)
+    np.testing.assert_array_equal(per_choice.local_TQJ[..., 0], experts % local)
 
 
 @pytest.mark.parametrize("impl", ["ragged", "te_dropless"])

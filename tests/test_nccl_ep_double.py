@@ -1,7 +1,7 @@
-"""te_dropless.nccl_ep_moe on CPU through the NCCL EP double (tests/nccl_ep_double.py).
+"""te_dropless's NCCL EP dispatcher (nccl_ep.NcclEp) on CPU through the NCCL EP double (tests/nccl_ep_double.py).
 
 First the double itself against a loop model of NCCL EP's receive buffer (layout, padding, uninitialized
-tail, overflow, round trip, gradients); then nccl_ep_moe with the double, forward and gradients, against
+tail, overflow, round trip, gradients); then moe_ffn through the double, forward and gradients, against
 the float32 per-expert loop reference on fsdp2 x expert4, expert8 and fsdp2 x expert2 x tensor2 meshes, and
 its overflow count under a small ragged_buffer_factor.
 """
@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 
 from MaxText.parallel import sharding
-from MaxText.layers.moe import layout, te_dropless, te_kernels
-from MaxText.layers.moe.block import ExpertWeights
+from MaxText.layers.moe import dispatch, dropless, te_runtime
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import Routing
 from tests.moe_reference import moe_reference
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.te_trace
 
-ALIGN = te_kernels.ALIGN
+ALIGN = dispatch.ALIGN
 PAD, TAIL = -1, -2  # receive-buffer rows of the loop model that hold no slot: zero padding, uninitialized tail
 L, D, F, E, K = 16, 16, 32, 8, 2
 
@@ -114,7 +114,7 @@ def test_double_layout_round_trip_and_gradients(te_standin, recv_rows):
         out = jnp.where(valid[..., None], recv.astype(jnp.float32) * recv_w[..., None], 0.0)
         return double.ep_combine(ep_cfg, handle, counts, out, num_local_tokens=t_total)
 
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         x = jnp.asarray(x_TH, jnp.bfloat16)
         (recv, recv_w), dispatch_vjp, (handle, counts, total) = jax.vjp(dispatch, x, jnp.asarray(weights_TK),
                                                                          has_aux=True)
@@ -158,7 +158,7 @@ def test_double_layout_round_trip_and_gradients(te_standin, recv_rows):
     np.testing.assert_array_equal(np.asarray(g_out), want_g_out, err_msg=f"{case}: d expert_out")
 
 
-# ------------------------------------------------------------------------------------------- nccl_ep_moe
+# ------------------------------------------------------------------------------------------- the NCCL EP dispatcher
 
 
 def _routing_cases(t_total):
@@ -173,7 +173,7 @@ def _routing_cases(t_total):
 
 
 def _bf16_exact(a):
-    """nccl_ep_moe sends bf16 tokens and runs its FFN in bf16: inputs exact in bf16 leave only its rounding."""
+    """The NCCL EP dispatcher sends bf16 tokens and the FFN runs in bf16: inputs exact in bf16 leave only its rounding."""
     return jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)
 
 
@@ -190,11 +190,12 @@ def _cotangent(shape):
 
 
 def _nccl_ep_step(kernels, cfg, rules):
-    """jit(value_and_grad) of <nccl_ep_moe output, cotangent> wrt x, expert weights and routing weights; the
+    """jit(value_and_grad) of <moe_ffn output, cotangent> wrt x, expert weights and routing weights; the
     routing is an input, so one compile serves every routing case."""
     def f(x, w, experts, weights):
         routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((E,)), jnp.zeros(()))
-        y, overflow = te_dropless.nccl_ep_moe(kernels, x, routing, w, cfg, layout.mesh_layout(rules))
+        y, stats = dropless.moe_ffn(x, routing, w, cfg, rules, kernels=kernels)
+        overflow = stats["overflow"]
         return jnp.sum(y * _cotangent(y.shape)), (y, overflow)
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3), has_aux=True))
@@ -221,7 +222,7 @@ def _kernels_and_step(cfg, t_total):
 def _run(cfg, step, x, w, experts, weights):
     """(y, overflow, grads) of the step on cfg's mesh, the token arrays placed as a trainer places them."""
     mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
         x, experts, weights = (jax.device_put(a, tokens) for a in (x, experts, weights))
         (_, (y, overflow)), grads = step(x, w, experts, weights)
@@ -248,7 +249,7 @@ def test_nccl_ep_moe_matches_reference(te_standin, mesh_name):
     for name, (experts, weights) in _routing_cases(t_total).items():
         y, overflow, grads = _run(cfg, step, x, w, experts, weights)
         y_ref, grads_ref = _reference(x, w, experts, weights)
-        case = f"nccl_ep_moe on {mesh_name}, routing {name}"
+        case = f"the NCCL EP dispatcher on {mesh_name}, routing {name}"
         assert float(overflow) == 0.0, f"{case}: the dropless buffer overflowed ({float(overflow)})"
         _assert_close(y, y_ref, f"{case}: output")
         _assert_close(grads[0], grads_ref[0], f"{case}: d/dx")
@@ -260,7 +261,7 @@ def test_nccl_ep_moe_matches_reference(te_standin, mesh_name):
 def test_nccl_ep_moe_overflow_counts_dropped_rows(te_standin):
     """ragged_buffer_factor=1 on an expert8 mesh: every token's second choice is expert 6, the first is expert
     3 but for the last 12 tokens (expert 0), so ranks 3 and 6 each want 512 rows (expert 3's last 12 of them
-    padding) and hold 128. nccl_ep_moe's overflow is the rows the double dropped (padding included, so 12 more
+    padding) and hold 128. The NCCL EP overflow is the rows the double dropped (padding included, so 12 more
     than the dropped slots) and the output is the reference without exactly the dropped slots."""
     t_total = 512  # 64 tokens per rank: enough that the factor-1 buffer (128 rows) is below the demand
     cfg = _config("ragged_buffer_factor=1.0", *MESHES["expert8"])
@@ -268,7 +269,7 @@ def test_nccl_ep_moe_overflow_counts_dropped_rows(te_standin):
     experts, weights = _routing_cases(t_total)["all_to_one"]
     experts[-12:, 0] = 0
     kernels, step = _kernels_and_step(cfg, t_total)
-    recv_rows = te_kernels.ep_recv_capacity(kernels.te, cfg, t_total // 8, 8)
+    recv_rows = te_runtime.ep_recv_capacity(kernels.te, cfg, t_total // 8, 8)
     slot_PR, _, demand_P = buffer_model(experts, 1, 8, ALIGN, recv_rows)
     kept = kept_slots(slot_PR, experts.shape)
     rows_dropped = np.maximum(demand_P - recv_rows, 0).sum()

@@ -6,7 +6,9 @@ import os
 import jax
 import pytest
 
-from MaxText.layers.moe.block import MOE_FFNS, ROUTERS, ExpertWeights
+from MaxText.layers.moe import te_kernels
+from MaxText.layers.moe.block import MOE_FFNS
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import route
 from tests.tiny import tiny_config, train_records
 
@@ -24,7 +26,7 @@ def test_moe_stages_are_named_scopes(impl):
     w = ExpertWeights(*(jax.random.normal(k, s) for k, s in zip(keys[2:], ((e, d, f), (e, d, f), (e, f, d)))))
 
     def layer(x, gate, w):
-        routing = ROUTERS.get(impl, route)(x, gate, None, cfg)
+        routing = route(x, gate, None, cfg, topk=te_kernels.kernels(cfg).topk)
         return MOE_FFNS[impl](x, routing, w, cfg)[0]
 
     text = jax.jit(layer).lower(x, gate, w).as_text(debug_info=True)

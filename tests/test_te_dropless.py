@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from MaxText.config.errors import ConfigError
-from MaxText.layers.moe import te_dropless, te_kernels
+from MaxText.layers.moe import dispatch, te_kernels, te_runtime
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
 from tests.tiny import tiny_config
 
-ALIGN = te_dropless.ALIGN
+ALIGN = dispatch.ALIGN
 
 
 @pytest.mark.parametrize("name,experts", [
@@ -23,11 +23,11 @@ ALIGN = te_dropless.ALIGN
 def test_aligned_permute_layout_and_round_trip(name, experts):
     num_experts = 6 if "EP" not in name else 4
     x = np.arange(experts.size * 3, dtype=np.float32).reshape(-1, 3) + 1.0
-    x_RD, sizes_E, rows_S = te_dropless.aligned_permute(jnp.asarray(x), jnp.asarray(experts, jnp.int32), num_experts)
+    x_RD, sizes_E, rows_S = dispatch.aligned_permute(jnp.asarray(x), jnp.asarray(experts, jnp.int32), num_experts)
     x_RD, sizes_E, rows_S = np.asarray(x_RD), np.asarray(sizes_E), np.asarray(rows_S)
     counts = np.bincount(experts[experts < num_experts], minlength=num_experts)
     np.testing.assert_array_equal(sizes_E, -(-counts // ALIGN) * ALIGN, err_msg=f"{name}: aligned sizes")
-    assert x_RD.shape[0] == te_dropless.aligned_buffer_rows(experts.size, num_experts) and x_RD.shape[0] % ALIGN == 0
+    assert x_RD.shape[0] == dispatch.aligned_buffer_rows(experts.size, num_experts) and x_RD.shape[0] % ALIGN == 0
     starts = np.concatenate([[0], np.cumsum(sizes_E)[:-1]])
     for e in range(num_experts):
         mine = np.flatnonzero(experts == e)
@@ -36,7 +36,7 @@ def test_aligned_permute_layout_and_round_trip(name, experts):
         np.testing.assert_array_equal(x_RD[starts[e] + mine.size: starts[e] + sizes_E[e]], 0.0)
     padding = experts >= num_experts
     assert np.all(rows_S[padding] >= x_RD.shape[0]), f"{name}: padding ids must stay out of the buffer"
-    back = np.asarray(te_dropless.unpermute(jnp.asarray(x_RD), jnp.asarray(rows_S)))
+    back = np.asarray(dispatch.unpermute(jnp.asarray(x_RD), jnp.asarray(rows_S)))
     np.testing.assert_array_equal(back[~padding], x[~padding], err_msg=f"{name}: round trip")
     np.testing.assert_array_equal(back[padding], 0.0)
 
@@ -44,11 +44,11 @@ def test_aligned_permute_layout_and_round_trip(name, experts):
 def test_kernel_sets_and_start_up_check():
     ref = tiny_config("moe_impl=te_dropless", "te_kernels=reference")
     assert te_kernels.kernels(ref) is te_kernels.REFERENCE
-    te_kernels.check_available(ref)  # the references need nothing
-    te_kernels.check_available(tiny_config("moe_impl=ragged"))  # other impls are not checked
+    te_runtime.check_available(ref)  # the references need nothing
+    te_runtime.check_available(tiny_config("moe_impl=ragged"))  # other impls are not checked
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ConfigError, match="te_kernels=reference"):
-            te_kernels.check_available(tiny_config("moe_impl=te_dropless"))
+            te_runtime.check_available(tiny_config("moe_impl=te_dropless"))
 
 
 def test_te_options_are_validated():
@@ -245,7 +245,7 @@ def check_grouped_gemm(grouped_gemm, case: str, label: str):
 
 def skip_unless_supported(quantization: str):
     """FP8 current scaling is checked from SM 9.0 (Hopper) on, MXFP8 on SM 10.x (Blackwell) only."""
-    sm = te_kernels._compute_capability()
+    sm = te_runtime._compute_capability()
     if quantization == "fp8_current" and sm < 9.0:
         pytest.skip(f"te_gmm_quantization=fp8_current is checked on SM 9.x and later; this GPU is SM {sm}")
     if quantization == "mxfp8" and not 10.0 <= sm < 11.0:
@@ -278,8 +278,7 @@ def test_te_permutation_matches_aligned_permute():
     pytest.importorskip("triton", reason="TE's token_dispatch runs Triton kernels")
     from transformer_engine.jax import permutation
 
-    from MaxText.layers.moe.ragged import combine
-    from MaxText.layers.moe.te_dropless import aligned_permute, unpermute
+    from MaxText.layers.moe.dispatch import aligned_permute, unpermute, weighted_sum as combine
 
     t, e, k, h = 512, 8, 2, 64
     scores = jax.random.gumbel(jax.random.key(0), (t, e)) - 1.5 * jnp.log1p(jnp.arange(e))  # skewed

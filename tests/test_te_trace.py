@@ -16,10 +16,10 @@ from MaxText.parallel import sharding
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
 from MaxText.data.records import abstract_batch
-from MaxText.layers.moe import layout, te_dropless, te_kernels
+from MaxText.layers.moe import dispatch, dropless, te_kernels, te_runtime
 from MaxText.parallel import checks
 from MaxText.planning import te_trace
-from MaxText.layers.moe.block import ExpertWeights
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import Routing
 from MaxText.step.state import state_spec
 from MaxText.step.train_step import jit_train_step
@@ -73,13 +73,13 @@ def test_te_kernels_come_from_te_and_a_cpu_run_still_refuses(te_standin, monkeyp
     cfg = tiny_config("moe_impl=te_dropless")
     assert te_kernels.kernels(cfg).name == "transformer_engine" and te_kernels.kernels(cfg).te is not None
     with pytest.raises(ConfigError, match="te_kernels=reference"):
-        te_kernels.check_available(cfg)  # no NVIDIA GPU: tracing is for tests and the preflight only
+        te_runtime.check_available(cfg)  # no NVIDIA GPU: tracing is for tests and the preflight only
     # On a GPU, the quantization is checked against its generation (TE's Python importable through the stand-in).
     for quantization, capability, message in (("mxfp8", 9.0, "needs a Blackwell"), ("fp8_current", 10.0, "Hopper")):
-        monkeypatch.setattr(te_kernels, "_compute_capability", lambda c=capability: c)
+        monkeypatch.setattr(te_runtime, "_compute_capability", lambda c=capability: c)
         with pytest.raises(ConfigError, match=message):
-            te_kernels.check_available(tiny_config("moe_impl=te_dropless", f"te_gmm_quantization={quantization}"))
-    te_kernels.check_available(tiny_config("moe_impl=te_dropless", "te_gmm_quantization=mxfp8"))  # SM 10 + mxfp8
+            te_runtime.check_available(tiny_config("moe_impl=te_dropless", f"te_gmm_quantization={quantization}"))
+    te_runtime.check_available(tiny_config("moe_impl=te_dropless", "te_gmm_quantization=mxfp8"))  # SM 10 + mxfp8
 
 
 def test_nccl_ep_limits_are_refused_in_one_line(te_standin):
@@ -115,7 +115,7 @@ def test_aligned_buffer_is_tes_token_dispatch_size():
     aligned sizes add up to a multiple of A that is at most T*K + E*(A-1))."""
     for slots, experts in ((100, 4), (4096, 8), (128, 1), (3, 64)):
         want = (slots + experts * 127) // 128 * 128
-        assert te_dropless.aligned_buffer_rows(slots, experts) == want, (slots, experts)
+        assert dispatch.aligned_buffer_rows(slots, experts) == want, (slots, experts)
         worst = max(sum(-(-c // 128) * 128 for c in counts) for counts in (
             [slots] + [0] * (experts - 1), [slots // experts + (i < slots % experts) for i in range(experts)]))
         assert worst <= want, (slots, experts, worst)
@@ -211,14 +211,14 @@ def test_tensor_scaled_fp8_cannot_be_differentiated_by_te_on_blackwell(simulated
 
 
 def _moe_layer_jaxpr(cfg, mesh):
-    """value_and_grad of te_dropless.moe_ffn (router output as input) inside the mesh, TE kernels throughout."""
+    """value_and_grad of dropless.moe_ffn (router output as input) inside the mesh, TE kernels throughout."""
     t, d, f, e, k = 8 * cfg.max_target_length, cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts, \
         cfg.num_experts_per_tok
     rules = sharding.axis_rules(cfg)
 
     def loss(x, w, weights, experts):
         routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((e,)), jnp.zeros(()))
-        y, stats = te_dropless.moe_ffn(x, routing, w, cfg, rules)
+        y, stats = dropless.moe_ffn(x, routing, w, cfg, rules)
         return jnp.sum(y.astype(jnp.float32)), (y, stats["overflow"])
 
     args = (jnp.zeros((t, d), jnp.bfloat16), ExpertWeights(jnp.zeros((e, d, f)), jnp.zeros((e, d, f)),
@@ -238,7 +238,7 @@ def test_moe_layer_and_train_step_trace_and_partition_with_te_kernels(te_standin
     mesh = _mesh(cfg, mesh_name)
     expert_parallel = mesh.shape["expert"] > 1
     spec = state_spec(cfg, mesh)  # outside the mesh context, as train.py does
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         te_trace.bootstrap_ep(cfg, mesh, global_batch_size(cfg, mesh.devices.size))
         jaxpr, (x, *_) = _moe_layer_jaxpr(cfg, mesh)
         outs = jaxpr.out_avals  # loss, y, overflow, then the gradients
@@ -307,8 +307,8 @@ def test_ep_bootstrap_sees_a_concrete_mesh(te_standin, monkeypatch):
     monkeypatch.setattr(te_ep, "ep_bootstrap", bootstrap)
     monkeypatch.setattr(jax, "local_device_count", lambda *a: 1)  # as under one process per GPU
     global_batch = global_batch_size(cfg, 8)
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg):
-        te_kernels.bootstrap_ep(cfg, mesh, global_batch)
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
+        te_runtime.bootstrap_ep(cfg, mesh, global_batch)
     tokens = global_batch * cfg.max_target_length // 8
     assert seen["devices"] == (1, 2, 4, 1) and seen["domain"] == (4, 1, 2), seen  # device 5: fsdp 1, expert 1
     assert seen["world_size"] == 8 and seen["max_tokens_per_rank"] == tokens and seen["hidden_dim"] == cfg.base_emb_dim
@@ -328,17 +328,14 @@ def test_check_vma_off_leaves_reference_gradients_unchanged():
     experts = jnp.argsort(jax.random.uniform(keys[4], (t, e)), axis=1)[:, :k].astype(jnp.int32)
     weights = jnp.full((t, k), 0.5)
     rules = sharding.axis_rules(cfg)
-    kw = dict(kernels=te_kernels.REFERENCE, quantization="none")
-    local = lambda *a: te_dropless.local_moe(*a, **kw)  # noqa: E731
-    parallel = lambda *a: te_dropless.expert_parallel_moe(*a, num_experts=e, axis_name="expert",  # noqa: E731
-                                                          buffer_factor=None, dedup=True, **kw)
     for mesh_keys in (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], ["ici_fsdp_parallelism=8"]):
         mesh = sharding.create_mesh(tiny_config("num_experts=8", *mesh_keys))
         grads = []
         for check_vma in (True, False):
             def loss(x, w):
                 routing = Routing(weights, experts, *([jnp.zeros(())] * 2), jnp.zeros((e,)), jnp.zeros(()))
-                y, _ = layout.run_on_mesh(x, routing, w, rules, local, parallel, check_vma=check_vma)
+                kernels = te_kernels.REFERENCE._replace(check_vma=check_vma)
+                y, _ = dropless.moe_ffn(x, routing, w, cfg, rules, kernels=kernels)
                 return jnp.sum(y * jnp.sin(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape))
 
             with jax.set_mesh(mesh):

@@ -96,20 +96,20 @@ def device_inputs(host: dict, mesh, rules) -> dict:
 
 def layer_step(cfg, rules):
     """(x, wi_0, wi_1, wo, experts, weights, cotangent) -> (y, (dx, dweights, dwi_0, dwi_1, dwo), overflow)
-    of te_dropless.moe_ffn under cfg's kernels; trace it inside jax.set_mesh and te_kernels.mesh_context."""
+    of dropless.moe_ffn under cfg's kernels; trace it inside jax.set_mesh and te_runtime.mesh_context."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from MaxText.layers.moe import te_dropless
-    from MaxText.layers.moe.block import ExpertWeights
+    from MaxText.layers.moe import dropless
+    from MaxText.layers.moe.experts import ExpertWeights
     from MaxText.layers.moe.router import Routing
 
     def step(x, wi_0, wi_1, wo, experts, weights, cotangent):
         def layer(x, weights, wi_0, wi_1, wo):
             routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((wi_0.shape[0],)),
                               jnp.zeros(()))
-            return te_dropless.moe_ffn(x, routing, ExpertWeights(wi_0, wi_1, wo), cfg, rules)
+            return dropless.moe_ffn(x, routing, ExpertWeights(wi_0, wi_1, wo), cfg, rules)
 
         y, vjp, stats = jax.vjp(layer, x, weights, wi_0, wi_1, wo, has_aux=True)
         # Replicated, so every process can read it (one process per GPU).
@@ -165,7 +165,7 @@ def run(problem: Problem, cfg_te, cfg_ref, log=print) -> dict:
 
     from MaxText.parallel import sharding
     from MaxText.config.load import global_batch_size
-    from MaxText.layers.moe import te_kernels
+    from MaxText.layers.moe import te_runtime
 
     mesh, rules = sharding.create_mesh(cfg_te), sharding.axis_rules(cfg_te)
     global_batch = global_batch_size(cfg_te, mesh.devices.size)
@@ -173,8 +173,8 @@ def run(problem: Problem, cfg_te, cfg_ref, log=print) -> dict:
     report = {"problem": problem._asdict(), "mesh": dict(mesh.shape), "num_experts": cfg_te.num_experts,
               "tokens": tokens, "kernels": cfg_te.te_kernels, "device_kind": jax.devices()[0].device_kind,
               "tolerances": {"y": OUT_TOL, "gradients": GRAD_TOL}, "rows": []}
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg_te):
-        te_kernels.bootstrap_ep(cfg_te, mesh, global_batch)
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg_te):
+        te_runtime.bootstrap_ep(cfg_te, mesh, global_batch)
         steps = {"te": layer_step(cfg_te, rules), "reference": layer_step(cfg_ref, rules), "float32": float32_step()}
         errors = normalised_errors(mesh)
         for routing in ROUTINGS:
@@ -230,14 +230,14 @@ def main(argv=None) -> int:
         maybe_initialize_distributed(base)  # one process per GPU (scripts/launch.sh): jax.distributed
         import jax
 
-        from MaxText.layers.moe import te_kernels
+        from MaxText.layers.moe import te_runtime
 
         n = jax.device_count()
         if n < 2:
             raise ConfigError(f"the NCCL EP check needs >= 2 devices (one process per GPU), this job has {n}; "
                               "run bash scripts/gpu_check.sh --ep N")
         cfg_te, cfg_ref = layer_config(problem, n, a.kernels), layer_config(problem, n, "reference")
-        te_kernels.check_available(cfg_te)
+        te_runtime.check_available(cfg_te)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ import numpy as np
 
 from MaxText.benchmarks import grouped_matmul as gmm_bench, moe_layer
 from MaxText.config.load import load_config
-from MaxText.layers.moe import te_kernels
+from MaxText.layers.moe import te_kernels, te_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORRECTNESS = ("kernels", "ep", "impls_agree")
@@ -70,8 +70,8 @@ class Kit(NamedTuple):
 def te_status() -> str | None:
     """None when TE's JAX modules import, else why not."""
     try:
-        te_kernels._import_te()
-    except te_kernels.TEUnavailable as e:
+        te_runtime.import_te()
+    except te_runtime.TEUnavailable as e:
         return str(e)
     return None
 

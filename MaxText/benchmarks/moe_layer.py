@@ -35,7 +35,8 @@ from MaxText.benchmarks import emit
 from MaxText.planning.collectives import count_collectives
 from MaxText.config.load import load_config
 from MaxText.layers.moe import ep as ep_lib
-from MaxText.layers.moe.block import MOE_FFNS, ExpertWeights
+from MaxText.layers.moe.block import MOE_FFNS
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import Routing
 
 
@@ -101,7 +102,7 @@ def ep_rows(a, base, x, w, experts, weights) -> list[dict]:
                                       f"ici_fsdp_parallelism={devices // n}", f"ep_dedup={str(dedup).lower()}"])
             mesh, rules = sharding.create_mesh(cfg), sharding.axis_rules(cfg)
             grouped = ep_lib.rank_rows(experts, weights, e // n, n, dedup)
-            rows_per_token = float(np.sum(np.asarray(grouped.dest_TP) < n)) / t
+            rows_per_token = float(np.sum(np.asarray(grouped.dest_TQ) < n)) / t
             capacity = ep_lib.peer_capacity(t // devices, k, e, e // n, cfg.ragged_buffer_factor, dedup)
 
             def layer(x, weights_TK, wi_0, wi_1, wo, experts_TK, cfg=cfg, rules=rules):

@@ -28,7 +28,7 @@ from MaxText.benchmarks import emit
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size, load_config
 from MaxText.data.synthetic import SyntheticData
-from MaxText.layers.moe.te_kernels import moe_runtime
+from MaxText.layers.moe.te_runtime import check_available, moe_runtime
 from MaxText.step.state import create_state, state_spec
 from MaxText.step.train_step import jit_train_step
 
@@ -39,6 +39,7 @@ def measure(cfg, steps: int, warmup: int) -> dict:
     devices = mesh.devices.size
     global_batch = global_batch_size(cfg, devices)
     spec = state_spec(cfg, mesh)
+    check_available(cfg)  # te_dropless: one line when TE cannot run here
     with moe_runtime(cfg, mesh, global_batch):
         batch_sharding = sharding.batch_sharding(mesh)
         batch = jax.make_array_from_process_local_data(

@@ -66,7 +66,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
     from MaxText.data.records import abstract_batch
     from MaxText.config.hardware import GPU_PROFILES
     from MaxText.layers import attention_cudnn
-    from MaxText.layers.moe import te_kernels
+    from MaxText.layers.moe import te_runtime
     from MaxText.planning import te_trace
     from MaxText.step.state import state_spec
     from MaxText.step.train_step import jit_train_step
@@ -82,7 +82,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
     batch_sharding = sharding.batch_sharding(mesh)
     batch = abstract_batch(global_batch, cfg.max_target_length, batch_sharding)
     cudnn = attention_cudnn.cuda_trace_profile(sm) if cfg.attention == "cudnn_flash" else contextlib.nullcontext()
-    with jax.set_mesh(mesh), te_kernels.mesh_context(cfg), cudnn:
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg), cudnn:
         if uses_te:
             te_trace.bootstrap_ep(cfg, mesh, global_batch)
         traced = jit_train_step(cfg, spec, batch_sharding).trace(spec.abstract, batch)

@@ -35,7 +35,7 @@ from MaxText.config.load import global_batch_size, layer_counts
 from MaxText.layers.attention_cudnn import max_segments
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity
-from MaxText.layers.moe.te_dropless import aligned_buffer_rows
+from MaxText.layers.moe.dispatch import aligned_buffer_rows
 from MaxText.planning.flops import model_flops_per_token
 from MaxText.step.state import state_spec
 from MaxText.config.storage import shown_path

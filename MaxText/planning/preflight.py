@@ -121,9 +121,9 @@ def check_data(cfg) -> list[Row]:
 def check_quantization(cfg, profile: GpuProfile) -> list[Row]:
     # here, not at the top: JAX loads only for the checks that need it (a recipe's mistakes are one line without JAX's
     # start-up)
-    from MaxText.layers.moe import te_kernels
+    from MaxText.layers.moe import te_runtime
 
-    return _try("quantization", lambda: te_kernels.check_quantization(cfg, profile.sm / 10) or [
+    return _try("quantization", lambda: te_runtime.check_quantization(cfg, profile.sm / 10) or [
         Row("quantization", "pass", f"te_gmm_quantization={cfg.te_gmm_quantization} on SM {profile.sm / 10:g}")])
 
 

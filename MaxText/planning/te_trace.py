@@ -11,7 +11,7 @@ router, grouped GEMM, quantizers and NCCL EP ops (shapes, dtypes, custom VJPs, s
 anything that would execute a TE op stops at XLA's "No FFI handler registered".
 
 Used by the tests (marker `te_trace`) and by the preflight, never by a training run: the trainer still
-refuses `te_kernels=auto` without an NVIDIA GPU (te_kernels.check_available).
+refuses `te_kernels=auto` without an NVIDIA GPU (te_runtime.check_available).
 """
 
 from __future__ import annotations
@@ -224,18 +224,18 @@ def register_cpu_lowerings() -> None:
 
 
 def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
-    """For tracing, what te_kernels.bootstrap_ep leaves behind on GPUs: TE's EpConfig, from the same arguments
-    and TE's own mesh helpers, without NCCL (run inside jax.set_mesh and te_kernels.mesh_context)."""
+    """For tracing, what te_runtime.bootstrap_ep leaves behind on GPUs: TE's EpConfig, from the same arguments
+    and TE's own mesh helpers, without NCCL (run inside jax.set_mesh and te_runtime.mesh_context)."""
     from transformer_engine.jax.cpp_extensions import ep as tex_ep  # noqa: PLC0415
     from transformer_engine.jax.sharding import get_mesh_axis_size  # noqa: PLC0415
 
-    from MaxText.layers.moe import te_kernels  # noqa: PLC0415
+    from MaxText.layers.moe import te_runtime  # noqa: PLC0415
     from MaxText.parallel import checks  # noqa: PLC0415
 
     shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
     if not checks.nccl_ep_used(cfg, shape):
         return
-    args = te_kernels.ep_bootstrap_args(cfg, shape, global_batch)
+    args = te_runtime.ep_bootstrap_args(cfg, shape, global_batch)
     outer = tex_ep._ep_outer_axis()  # noqa: SLF001 - the axis TE's ep_bootstrap reads
     ep_size = shape["expert"]
     tex_ep.set_ep_config(tex_ep.EpConfig(

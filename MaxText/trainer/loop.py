@@ -19,7 +19,7 @@ from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
 from MaxText.data import make_data, validate
 from MaxText.data.records import DataError
-from MaxText.layers.moe.te_kernels import check_available, moe_runtime
+from MaxText.layers.moe.te_runtime import check_available, moe_runtime
 from MaxText.parallel import sharding
 from MaxText.planning import flops
 from MaxText.planning.plan import check_fits
@@ -88,7 +88,7 @@ def create_mesh(cfg, devices):
     if cfg.hardware in ("gpu", "gpu_multiprocess") and jax.default_backend() != "gpu":
         raise ConfigError(f"hardware={cfg.hardware} but JAX found no GPU (its backend is {jax.default_backend()}); "
                           "check the CUDA install (jax[cuda]) and CUDA_VISIBLE_DEVICES, or set hardware=auto")
-    check_available(cfg)  # te_dropless: TE and a suitable GPU, before the data and run directories (moe_runtime too)
+    check_available(cfg)  # te_dropless: TE and a suitable GPU, once, before the data and run directories
     validate(cfg)  # the dataset and tokenizer are there (python_stdlib: built if missing)
     visible = len(devices) if devices is not None else jax.device_count()
     if cfg.num_devices and cfg.num_devices != visible:

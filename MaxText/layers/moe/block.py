@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.mlp import MLP
-from MaxText.layers.moe import dense, ragged, te_dropless
+from MaxText.layers.moe import dense, dropless, te_kernels
+from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.layers.moe.router import route
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
-
-
-class ExpertWeights(NamedTuple):
-    wi_0_EDF: jax.Array
-    wi_1_EDF: jax.Array
-    wo_EFD: jax.Array
 
 
 class MoeBias(nnx.Variable):
@@ -28,9 +20,7 @@ class MoeBias(nnx.Variable):
 
 # moe_impl -> moe_ffn(x_TD, routing, ExpertWeights, cfg, rules) -> (y_TD, {"overflow": real token-slots that got
 # no expert output, over all devices}): dense's capacity drops, the dropless impls' EP buffer overflow.
-MOE_FFNS = {"dense": dense.moe_ffn, "ragged": ragged.moe_ffn, "te_dropless": te_dropless.moe_ffn}
-# moe_impl -> route(x_TD, gate_DE, bias_E, cfg); te_dropless selects experts with its kernel set's router.
-ROUTERS = {"te_dropless": te_dropless.route}
+MOE_FFNS = {"dense": dense.moe_ffn, "ragged": dropless.moe_ffn, "te_dropless": dropless.moe_ffn}
 
 
 class MoeBlock(nnx.Module):
@@ -62,7 +52,8 @@ class MoeBlock(nnx.Module):
         x_TD = x_BLD.reshape(b * l, d)
         bias = self.bias[...] if self.cfg.routed_bias else None
         valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
-        routing = ROUTERS.get(self.cfg.moe_impl, route)(x_TD, self.gate[...], bias, self.cfg, valid_T=valid_T)
+        # Route, then dispatch -> experts -> combine (moe_ffn). te_dropless selects with its kernel set's top-k.
+        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=te_kernels.kernels(self.cfg).topk, valid_T=valid_T)
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
         y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),

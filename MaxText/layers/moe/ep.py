@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch and combine, inside shard_map over the mesh axis `expert`.
+"""The expert-parallel dispatcher (dispatch.py's interface), inside shard_map over the mesh axis `expert`.
 
 Each of the N devices on the axis holds E/N experts. A token's K choices are grouped by destination device:
 with `ep_dedup` (the default) the token travels once to each device that holds any of its experts, as one row
@@ -8,8 +8,10 @@ the router (in float32) and sends one row back; the sender adds up a token's ret
 group-limited routing (DeepSeek-V3: 8 groups, keep 4) at EP 8 a token reaches about 4 devices instead of
 sending 8 copies: half the all-to-all rows each way, and receive buffers of T rows per peer, not T * J.
 
-Dispatch sorts this device's rows by destination, keeping their token order within each destination, and
-sends each destination its contiguous chunk; combine returns every processed row to the row it came from.
+send_rows sorts this device's rows by destination, keeping their token order within each destination, and
+sends each destination its contiguous chunk; send_back returns every processed row to the row it came from.
+ExpertParallel.dispatch is rank_rows, send_rows and the receiver's local dispatch; its combine is the local
+combine, send_back and the sum of each token's rows.
 The exchange is `jax.lax.ragged_all_to_all` where the platform has it (GPU, TPU). XLA:CPU has no ragged
 all-to-all, so there the same exchange, with the same arguments and result, runs as one `all_to_all` of
 fixed per-peer buffers (`capacity` rows each). Buffers default to the dropless worst case; a smaller
@@ -27,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText.layers.moe.dispatch import Selection
+
 
 class Capacity(NamedTuple):
     """Static per-peer buffer sizes: `rows` a device may send one peer, carrying at most `slots` slots."""
@@ -34,22 +38,23 @@ class Capacity(NamedTuple):
     slots: int
 
 
-class Dispatch(NamedTuple):
-    x_RD: jax.Array             # rows received from all peers, [N * capacity.rows, D]; padding rows are 0
-    payload_RP: jax.Array       # the per-row float32 payload received alongside; padding rows hold `fill`
-    order_S: jax.Array          # the sort of this device's rows by destination device (stable: token order)
+class Exchange(NamedTuple):
+    """What send_rows received, and what send_back needs to return the rows."""
+    x_XD: jax.Array             # rows received from all peers, [N * capacity.rows, D]; padding rows are 0
+    payload_XW: jax.Array       # the per-row float32 payload received alongside; padding rows hold `fill`
+    order_U: jax.Array          # the sort of this device's rows by destination device (stable: token order)
     counts_NN: jax.Array        # rows each device wanted to send each device, [src, dst]
     sent_NN: jax.Array          # rows that fitted in the buffers, [src, dst]
-    kept_S: jax.Array           # bool: this device's row s was sent (it has a destination and fitted)
+    kept_U: jax.Array           # bool: this device's row u was sent (it has a destination and fitted)
     capacity: Capacity
 
 
 class RankRows(NamedTuple):
-    """A device's tokens as rows to send: row (t, p) goes to device dest_TP[t, p] (N: nothing to send) and
+    """A device's tokens as rows to send: row (t, q) goes to device dest_TQ[t, q] (N: nothing to send) and
     carries J (local expert, weight) slots; empty slots hold local expert E/N and weight 0."""
-    dest_TP: jax.Array     # int32 [T, P]
-    local_TPJ: jax.Array   # int32 [T, P, J]
-    weights_TPJ: jax.Array  # [T, P, J], the router weights' dtype
+    dest_TQ: jax.Array     # int32 [T, Q]
+    local_TQJ: jax.Array   # int32 [T, Q, J]
+    weights_TQJ: jax.Array  # [T, Q, J], the router weights' dtype
 
 
 def peer_capacity(tokens: int, top_k: int, num_experts: int, num_local_experts: int, factor,
@@ -67,24 +72,24 @@ def peer_capacity(tokens: int, top_k: int, num_experts: int, num_local_experts: 
 
 def rank_rows(experts_TK, weights_TK, num_local_experts: int, num_peers: int, dedup: bool) -> RankRows:
     """Groups each token's K choices by the device holding the expert (global id e lives on e // E_local).
-    With dedup: P = min(K, N) rows per token, its distinct devices in increasing order, each with the choices
-    there in choice order. Without: P = K rows of one slot each (row k is choice k)."""
+    With dedup: Q = min(K, N) rows per token, its distinct devices in increasing order, each with the choices
+    there in choice order. Without: Q = K rows of one slot each (row k is choice k)."""
     t, k = experts_TK.shape
     dest_TK = (experts_TK // num_local_experts).astype(jnp.int32)
     local_TK = (experts_TK % num_local_experts).astype(jnp.int32)
     if not dedup:
         return RankRows(dest_TK, local_TK[:, :, None], weights_TK[:, :, None])
-    p, j = min(k, num_peers), min(k, num_local_experts)  # K distinct experts: at most min(K, E/N) on a device
+    q, j = min(k, num_peers), min(k, num_local_experts)  # K distinct experts: at most min(K, E/N) on a device
     same_TKK = dest_TK[:, :, None] == dest_TK[:, None, :]
     earlier_KK = jnp.tril(jnp.ones((k, k), bool), -1)  # [k, k2]: k2 < k
     slot_TK = jnp.sum(same_TKK & earlier_KK, axis=2)  # earlier choices on the same device
     first_TK = slot_TK == 0
     row_TK = jnp.sum(first_TK[:, None, :] & (dest_TK[:, None, :] < dest_TK[:, :, None]), axis=2)  # devices below
     t_T1 = jnp.arange(t)[:, None]
-    dest_TP = jnp.full((t, p), num_peers, jnp.int32).at[t_T1, row_TK].set(dest_TK)
-    local_TPJ = jnp.full((t, p, j), num_local_experts, jnp.int32).at[t_T1, row_TK, slot_TK].set(local_TK)
-    weights_TPJ = jnp.zeros((t, p, j), weights_TK.dtype).at[t_T1, row_TK, slot_TK].set(weights_TK)
-    return RankRows(dest_TP, local_TPJ, weights_TPJ)
+    dest_TQ = jnp.full((t, q), num_peers, jnp.int32).at[t_T1, row_TK].set(dest_TK)
+    local_TQJ = jnp.full((t, q, j), num_local_experts, jnp.int32).at[t_T1, row_TK, slot_TK].set(local_TK)
+    weights_TQJ = jnp.zeros((t, q, j), weights_TK.dtype).at[t_T1, row_TK, slot_TK].set(weights_TK)
+    return RankRows(dest_TQ, local_TQJ, weights_TQJ)
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -118,73 +123,95 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
 
 
 @jax.named_scope("moe_dispatch")
-def dispatch(x_TD, dest_S, payload_SP, slots_S, *, rows_per_token: int, num_peers: int, axis_name: str,
-             capacity: Capacity, fill: float = 0.0) -> Dispatch:
-    """Sends row s (input row s // rows_per_token of x, and payload row s, carrying slots_S[s] slots) to device
-    dest_S[s]; rows whose dest is num_peers are not sent. Per peer, rows fit in (destination, row) order while
+def send_rows(x_TD, dest_U, payload_UW, slots_U, *, rows_per_token: int, num_peers: int, axis_name: str,
+              capacity: Capacity, fill: float = 0.0) -> Exchange:
+    """Sends row u (input row u // rows_per_token of x, and payload row u, carrying slots_U[u] slots) to device
+    dest_U[u]; rows whose dest is num_peers are not sent. Per peer, rows fit in (destination, row) order while
     both the peer's row and slot budgets hold; the rest are not sent."""
     n = num_peers
     me = jax.lax.axis_index(axis_name)
-    s = dest_S.shape[0]
-    order_S = jnp.argsort(dest_S, stable=True)  # by destination, then row (token-major) order; unsent last
-    dest_sorted = dest_S[order_S]
-    to_N = jax.nn.one_hot(dest_sorted, n, dtype=jnp.int32)  # [S, N]; unsent rows: all 0
-    counts_N = jnp.sum(to_N, axis=0)
-    start_S = _exclusive_cumsum(counts_N)[jnp.minimum(dest_sorted, n - 1)]
-    slots_sorted = slots_S[order_S]
-    slots_through = jnp.cumsum(slots_sorted) - _exclusive_cumsum(slots_sorted)[start_S]  # in its chunk, inclusive
-    fits = (dest_sorted < n) & (jnp.arange(s) - start_S < capacity.rows) & (slots_through <= capacity.slots)
-    kept_S = jnp.zeros((s,), bool).at[order_S].set(fits)
-    sent_N = jnp.sum(to_N * fits[:, None], axis=0)  # the budgets only ever cut a suffix of a peer's chunk
+    u = dest_U.shape[0]
+    order_U = jnp.argsort(dest_U, stable=True)  # by destination, then row (token-major) order; unsent last
+    dest_sorted = dest_U[order_U]
+    to_UN = jax.nn.one_hot(dest_sorted, n, dtype=jnp.int32)  # unsent rows: all 0
+    counts_N = jnp.sum(to_UN, axis=0)
+    start_U = _exclusive_cumsum(counts_N)[jnp.minimum(dest_sorted, n - 1)]
+    slots_sorted = slots_U[order_U]
+    slots_through = jnp.cumsum(slots_sorted) - _exclusive_cumsum(slots_sorted)[start_U]  # in its chunk, inclusive
+    fits = (dest_sorted < n) & (jnp.arange(u) - start_U < capacity.rows) & (slots_through <= capacity.slots)
+    kept_U = jnp.zeros((u,), bool).at[order_U].set(fits)
+    sent_N = jnp.sum(to_UN * fits[:, None], axis=0)  # the budgets only ever cut a suffix of a peer's chunk
     both = jax.lax.all_gather(jnp.stack([counts_N, sent_N]), axis_name)  # [src, 2, dst]
     counts_NN, sent_NN = both[:, 0], both[:, 1]
     args = dict(input_offsets=_exclusive_cumsum(counts_N), send_sizes=sent_N,
                 output_offsets=_exclusive_cumsum(sent_NN, axis=0)[me], recv_sizes=sent_NN[:, me],
                 axis_name=axis_name, max_send=capacity.rows)
     rows = n * capacity.rows
-    x_RD = ragged_exchange(x_TD[order_S // rows_per_token], jnp.zeros((rows,) + x_TD.shape[1:], x_TD.dtype), **args)
-    payload_RP = ragged_exchange(payload_SP[order_S], jnp.full((rows,) + payload_SP.shape[1:], fill, payload_SP.dtype),
+    x_XD = ragged_exchange(x_TD[order_U // rows_per_token], jnp.zeros((rows,) + x_TD.shape[1:], x_TD.dtype), **args)
+    payload_XW = ragged_exchange(payload_UW[order_U], jnp.full((rows,) + payload_UW.shape[1:], fill, payload_UW.dtype),
                                  **args)
-    return Dispatch(checkpoint_name(x_RD, "moe_dispatch"), payload_RP, order_S, counts_NN, sent_NN, kept_S, capacity)
+    return Exchange(checkpoint_name(x_XD, "moe_dispatch"), payload_XW, order_U, counts_NN, sent_NN, kept_U, capacity)
 
 
 @jax.named_scope("moe_combine")
-def combine(out_RD, d: Dispatch, *, axis_name: str):
-    """Returns each processed row to the row it came from, in the rows' original order [S, D]; rows that were
+def send_back(y_XD, ex: Exchange, *, axis_name: str):
+    """Returns each processed row to the row it came from, in the rows' original order [U, D]; rows that were
     not sent are 0."""
     me = jax.lax.axis_index(axis_name)
-    slots = d.order_S.shape[0]
+    u = ex.order_U.shape[0]
     back = ragged_exchange(
-        out_RD, jnp.zeros((slots,) + out_RD.shape[1:], out_RD.dtype),
-        input_offsets=_exclusive_cumsum(d.sent_NN[:, me]), send_sizes=d.sent_NN[:, me],
-        output_offsets=_exclusive_cumsum(d.counts_NN, axis=1)[:, me], recv_sizes=d.sent_NN[me],
-        axis_name=axis_name, max_send=d.capacity.rows)
-    return back[jnp.argsort(d.order_S)]
+        y_XD, jnp.zeros((u,) + y_XD.shape[1:], y_XD.dtype),
+        input_offsets=_exclusive_cumsum(ex.sent_NN[:, me]), send_sizes=ex.sent_NN[:, me],
+        output_offsets=_exclusive_cumsum(ex.counts_NN, axis=1)[:, me], recv_sizes=ex.sent_NN[me],
+        axis_name=axis_name, max_send=ex.capacity.rows)
+    return back[jnp.argsort(ex.order_U)]
 
 
-def expert_parallel_moe(x_TD, experts_TK, weights_TK, slot_ffn, *, num_experts: int, num_local_experts: int,
-                        axis_name: str, buffer_factor, dedup: bool):
-    """The dropless MoE over this device's E/N experts. `slot_ffn(x_RD, local_S, rows_per_input, max_slots)
-    -> out_SD` runs slot s (input row s // rows_per_input, local expert local_S[s]; ids >= E/N are empty slots,
-    output 0) through its expert, in a buffer of `max_slots` rows (at least the real slots). Returns (y_TD,
-    slots of this device that did not fit a peer's buffer)."""
-    t, k = experts_TK.shape
-    n = num_experts // num_local_experts
-    rows = rank_rows(experts_TK, weights_TK, num_local_experts, n, dedup)
-    p, j = rows.local_TPJ.shape[1:]
-    slots_S = jnp.sum(rows.local_TPJ < num_local_experts, axis=2).reshape(-1)
-    # One exchange for both payloads: the ids travel as float32 (exact below 2**24), beside the weights.
-    payload_SP = jnp.concatenate([rows.local_TPJ.reshape(t * p, j).astype(jnp.float32),
-                                  rows.weights_TPJ.reshape(t * p, j).astype(jnp.float32)], axis=1)
-    capacity = peer_capacity(t, k, num_experts, num_local_experts, buffer_factor, dedup)
-    d = dispatch(x_TD, rows.dest_TP.reshape(-1), payload_SP, slots_S, rows_per_token=p, num_peers=n,
-                 axis_name=axis_name, capacity=capacity, fill=float(num_local_experts))
-    r = d.x_RD.shape[0]
-    local_RJ = d.payload_RP[:, :j].astype(jnp.int32)
-    weights_RJ = jnp.where(local_RJ < num_local_experts, d.payload_RP[:, j:], 0.0)
-    out_SD = slot_ffn(d.x_RD, local_RJ.reshape(-1), j, min(r * j, n * capacity.slots))
-    with jax.named_scope("moe_combine"):
-        y_RD = jnp.einsum("rjd,rj->rd", out_SD.reshape(r, j, -1).astype(jnp.float32), weights_RJ)
-    back_SD = combine(y_RD.astype(x_TD.dtype), d, axis_name=axis_name)
-    y_TD = jnp.sum(back_SD.reshape(t, p, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
-    return y_TD, jnp.sum(jnp.where(d.kept_S, 0, slots_S))
+class EpHandle(NamedTuple):
+    exchange: Exchange
+    local: object           # the receiver's dispatcher (LocalSort | AlignedSort) and its handle
+    local_handle: object
+    rows_per_token: int     # Q
+    overflow: jax.Array     # slots of this device that did not fit a peer's buffer
+
+
+class ExpertParallel(NamedTuple):
+    """This device holds experts [me * E/N, (me + 1) * E/N). dispatch sends each token's rows (rank_rows) to
+    their devices and lays the received rows' slots out for the local experts with `local` (dispatch.LocalSort
+    or dispatch.AlignedSort, sized for the buffer's real slots); combine weights each received row's slot
+    outputs there (float32), returns one row per (token, device) and adds up each token's rows."""
+    num_experts: int
+    num_local_experts: int
+    local: type
+    axis_name: str = "expert"
+    buffer_factor: float | None = None
+    dedup: bool = True
+
+    def dispatch(self, x_TD, routing):
+        experts_TK, weights_TK = routing.experts_TK, routing.weights_TK
+        t, k = experts_TK.shape
+        e_local = self.num_local_experts
+        n = self.num_experts // e_local
+        rows = rank_rows(experts_TK, weights_TK, e_local, n, self.dedup)
+        q, j = rows.local_TQJ.shape[1:]
+        slots_U = jnp.sum(rows.local_TQJ < e_local, axis=2).reshape(-1)
+        # One exchange for both payloads: the ids travel as float32 (exact below 2**24), beside the weights.
+        payload_UW = jnp.concatenate([rows.local_TQJ.reshape(t * q, j).astype(jnp.float32),
+                                      rows.weights_TQJ.reshape(t * q, j).astype(jnp.float32)], axis=1)
+        capacity = peer_capacity(t, k, self.num_experts, e_local, self.buffer_factor, self.dedup)
+        ex = send_rows(x_TD, rows.dest_TQ.reshape(-1), payload_UW, slots_U, rows_per_token=q, num_peers=n,
+                       axis_name=self.axis_name, capacity=capacity, fill=float(e_local))
+        x = ex.x_XD.shape[0]
+        local_XJ = ex.payload_XW[:, :j].astype(jnp.int32)
+        received = Selection(local_XJ, jnp.where(local_XJ < e_local, ex.payload_XW[:, j:], 0.0))
+        local = self.local(e_local, max_slots=min(x * j, n * capacity.slots))
+        x_RD, group_sizes_E, local_handle = local.dispatch(ex.x_XD, received)
+        overflow = jnp.sum(jnp.where(ex.kept_U, 0, slots_U))
+        return x_RD, group_sizes_E, EpHandle(ex, local, local_handle, q, overflow)
+
+    def combine(self, y_RD, h: EpHandle):
+        y_XD = h.local.combine(y_RD, h.local_handle)
+        back_UD = send_back(y_XD, h.exchange, axis_name=self.axis_name)
+        with jax.named_scope("moe_combine"):
+            t = back_UD.shape[0] // h.rows_per_token
+            return jnp.sum(back_UD.reshape(t, h.rows_per_token, -1).astype(jnp.float32), axis=1).astype(y_RD.dtype)

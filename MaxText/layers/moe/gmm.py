@@ -9,7 +9,7 @@ Why CPU needs its own kernel. XLA:CPU has no grouped kernel: `jax.lax.ragged_dot
 dot over a masked [E, R, D] copy of x, i.e. E times the useful FLOPs and memory: 13% of a dense matmul's
 speed at E=8, 7% at E=16 (notes/jax_cpu.md sections 1-2), and 784 MiB of temporaries for an
 8192x512 @ 8x512x1024 fwd+bwd, against 6 MiB for the kernel here. The `block_sparse` kernel pads every
-group (virtually) to a multiple of B rows and runs one [B, D] x [D, F] matmul per block with a dynamic expert
+group (virtually) to a multiple of Z rows and runs one [Z, D] x [D, F] matmul per block with a dynamic expert
 index, looping over only the blocks that hold real rows. A custom VJP does the backward in one loop too,
 accumulating dW[e] += x_b^T dy_b in place; JAX's own transpose of such a loop would carry a full [E, D, F]
 cotangent per block, which the notes measured as slow.
@@ -28,9 +28,9 @@ KERNELS = ("auto", "ragged_dot", "block_sparse")
 # Backends where lax.ragged_dot lowers to a native grouped GEMM.
 NATIVE_BACKENDS = ("gpu", "tpu", "cuda", "rocm")
 # Rows per block of the block_sparse kernel. Small blocks waste less: a group's last block is on average
-# half padding, E*B/2 rows in all (at E=32, B=512 that doubles the work of 8192 rows). Large blocks make each
+# half padding, E*Z/2 rows in all (at E=32, Z=512 that doubles the work of 8192 rows). Large blocks make each
 # matmul more efficient and the loop shorter. Median fwd+bwd as a fraction of a dense matmul of the same
-# useful FLOPs (8192 rows, D=512, F=1024, Zipf-1.0 loads, 2 CPU cores, 15-21 interleaved runs), B=128/256/512:
+# useful FLOPs (8192 rows, D=512, F=1024, Zipf-1.0 loads, 2 CPU cores, 15-21 interleaved runs), Z=128/256/512:
 #   E=8 f32 78/79/76%, E=32 f32 62/54/40%, E=8 bf16 84/84/75%.
 # 128 ties 256 with few experts and wins with many (small groups, where padding dominates); 64 is no better
 # (E=32: 56% vs 60% for 128; E=64: 52% vs 50%).
@@ -71,7 +71,7 @@ def grouped_matmul(x_RD, w_EDF, group_sizes_E, *, kernel: str = "auto", block_si
     num_rows = x_RD.shape[0]
     if num_rows == 0:
         return jnp.zeros((0, w_EDF.shape[2]), x_RD.dtype)
-    # A block never needs more rows than the array has; this also keeps the B-row window inside x.
+    # A block never needs more rows than the array has; this also keeps the Z-row window inside x.
     block = min(block_size or DEFAULT_BLOCK_SIZE, num_rows)
     # Inside shard_map the kernel's loop carries mix x, w and the sizes, so all three must vary over the
     # same mesh axes. Casting here (outside the custom VJP) lets JAX's transpose of the cast psum the
@@ -95,12 +95,12 @@ def _cast_varying(a, axes: frozenset):
 
 
 class BlockLayout(NamedTuple):
-    """Which rows each block covers. Block n multiplies rows [start_N[n], end_N[n]) by w[expert_N[n]];
+    """Which rows each block covers. Block i multiplies rows [start_I[i], end_I[i]) by w[expert_I[i]];
     blocks [0, num_blocks) hold real rows, the rest of the static-length tables are unused."""
     num_blocks: jax.Array   # int32 scalar, traced
-    expert_N: jax.Array
-    start_N: jax.Array
-    end_N: jax.Array
+    expert_I: jax.Array
+    start_I: jax.Array
+    end_I: jax.Array
 
 
 def block_layout(group_sizes_E, num_rows: int, block: int) -> BlockLayout:
@@ -116,24 +116,24 @@ def block_layout(group_sizes_E, num_rows: int, block: int) -> BlockLayout:
     blocks_E = (end_E - start_E + block - 1) // block
     blocks_end_E = jnp.cumsum(blocks_E)
     max_blocks = -(-(num_rows + num_experts * (block - 1)) // block)
-    n_N = jnp.arange(max_blocks, dtype=jnp.int32)
+    n_I = jnp.arange(max_blocks, dtype=jnp.int32)
     # Unused tail blocks get expert E-1 (clipped) and an empty row range; the loops never reach them.
-    expert_N = jnp.minimum(jnp.searchsorted(blocks_end_E, n_N, side="right"), num_experts - 1).astype(jnp.int32)
-    start_N = start_E[expert_N] + (n_N - (blocks_end_E - blocks_E)[expert_N]) * block
-    end_N = jnp.where(n_N < blocks_end_E[-1], end_E[expert_N], 0)
-    return BlockLayout(blocks_end_E[-1], expert_N, start_N, end_N)
+    expert_I = jnp.minimum(jnp.searchsorted(blocks_end_E, n_I, side="right"), num_experts - 1).astype(jnp.int32)
+    start_I = start_E[expert_I] + (n_I - (blocks_end_E - blocks_E)[expert_I]) * block
+    end_I = jnp.where(n_I < blocks_end_E[-1], end_E[expert_I], 0)
+    return BlockLayout(blocks_end_E[-1], expert_I, start_I, end_I)
 
 
 def _window(layout: BlockLayout, n, num_rows: int, block: int):
-    """Block n's B-row window of the unpadded array: its first row and the mask of rows it owns.
+    """Block n's Z-row window of the unpadded array: its first row and the mask of rows it owns.
 
     The window starts at the block's first row, moved back where it would run past the end of the array;
     rows of the window outside [start, end) belong to a neighbouring group (or are padding) and are masked.
     """
-    start, end = layout.start_N[n], layout.end_N[n]
+    start, end = layout.start_I[n], layout.end_I[n]
     first = jnp.minimum(start, num_rows - block)
-    rows_B = first + jnp.arange(block, dtype=jnp.int32)
-    return first, ((rows_B >= start) & (rows_B < end))[:, None]
+    rows_Z = first + jnp.arange(block, dtype=jnp.int32)
+    return first, ((rows_Z >= start) & (rows_Z < end))[:, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -151,13 +151,13 @@ def _block_sparse_fwd(x_RD, w_EDF, group_sizes_E, block):
     layout = block_layout(group_sizes_E, num_rows, block)
 
     def one_block(n, y_RF):
-        first, mine_B1 = _window(layout, n, num_rows, block)
-        x_BD = lax.dynamic_slice_in_dim(x_RD, first, block)
-        w_DF = lax.dynamic_index_in_dim(w_EDF, layout.expert_N[n], keepdims=False)
-        y_BF = _dot_f32(x_BD, w_DF, ((1,), (0,))).astype(y_RF.dtype)
+        first, mine_Z1 = _window(layout, n, num_rows, block)
+        x_ZD = lax.dynamic_slice_in_dim(x_RD, first, block)
+        w_DF = lax.dynamic_index_in_dim(w_EDF, layout.expert_I[n], keepdims=False)
+        y_ZF = _dot_f32(x_ZD, w_DF, ((1,), (0,))).astype(y_RF.dtype)
         # Rows the block does not own keep what their own block wrote (or 0), whatever the loop order.
-        y_BF = jnp.where(mine_B1, y_BF, lax.dynamic_slice_in_dim(y_RF, first, block))
-        return lax.dynamic_update_slice_in_dim(y_RF, y_BF, first, 0)
+        y_ZF = jnp.where(mine_Z1, y_ZF, lax.dynamic_slice_in_dim(y_RF, first, block))
+        return lax.dynamic_update_slice_in_dim(y_RF, y_ZF, first, 0)
 
     # A loop with a traced trip count runs only the blocks that hold real rows: padding costs nothing.
     y_RF = _cast_varying(jnp.zeros((num_rows, w_EDF.shape[2]), x_RD.dtype), _vma(x_RD))
@@ -168,22 +168,22 @@ def _block_sparse_fwd(x_RD, w_EDF, group_sizes_E, block):
 def _block_sparse_bwd(block, residuals, dy_RF):
     x_RD, w_EDF, group_sizes_E = residuals
     num_rows = x_RD.shape[0]
-    # Recomputed rather than saved: a few integer ops on E- and R/B-sized arrays.
+    # Recomputed rather than saved: a few integer ops on E- and R/Z-sized arrays.
     layout = block_layout(group_sizes_E, num_rows, block)
 
     def one_block(n, carry):
         dx_RD, dw_EDF = carry
-        first, mine_B1 = _window(layout, n, num_rows, block)
-        expert = layout.expert_N[n]
+        first, mine_Z1 = _window(layout, n, num_rows, block)
+        expert = layout.expert_I[n]
         # Both operands of x_b^T dy_b are masked: 0 * (an inf or NaN in a padding row) would still be NaN.
-        x_BD = jnp.where(mine_B1, lax.dynamic_slice_in_dim(x_RD, first, block), 0)
-        dy_BF = jnp.where(mine_B1, lax.dynamic_slice_in_dim(dy_RF, first, block), 0)
+        x_ZD = jnp.where(mine_Z1, lax.dynamic_slice_in_dim(x_RD, first, block), 0)
+        dy_ZF = jnp.where(mine_Z1, lax.dynamic_slice_in_dim(dy_RF, first, block), 0)
         w_DF = lax.dynamic_index_in_dim(w_EDF, expert, keepdims=False)
-        dx_BD = _dot_f32(dy_BF, w_DF, ((1,), (1,))).astype(dx_RD.dtype)
-        dx_BD = jnp.where(mine_B1, dx_BD, lax.dynamic_slice_in_dim(dx_RD, first, block))
-        dx_RD = lax.dynamic_update_slice_in_dim(dx_RD, dx_BD, first, 0)
+        dx_ZD = _dot_f32(dy_ZF, w_DF, ((1,), (1,))).astype(dx_RD.dtype)
+        dx_ZD = jnp.where(mine_Z1, dx_ZD, lax.dynamic_slice_in_dim(dx_RD, first, block))
+        dx_RD = lax.dynamic_update_slice_in_dim(dx_RD, dx_ZD, first, 0)
         # In place: dW[e] += x_b^T dy_b.
-        dw_DF = lax.dynamic_index_in_dim(dw_EDF, expert, keepdims=False) + _dot_f32(x_BD, dy_BF, ((0,), (0,)))
+        dw_DF = lax.dynamic_index_in_dim(dw_EDF, expert, keepdims=False) + _dot_f32(x_ZD, dy_ZF, ((0,), (0,)))
         return dx_RD, lax.dynamic_update_index_in_dim(dw_EDF, dw_DF, expert, 0)
 
     # dW accumulates in float32 across blocks of the same expert; one cast at the end.

@@ -1,0 +1,77 @@
+"""`moe_impl=ragged` and `moe_impl=te_dropless`: the dropless MoE as dispatch -> experts -> combine (the block
+has routed already).
+
+    dispatcher(cfg, layout, kernels)       which of dispatch.py's four: LocalSort (ragged) or AlignedSort
+                                           (te_dropless) here, around them ExpertParallel with expert
+                                           parallelism, NcclEp with TE kernels and expert parallelism
+    kernels                                te_kernels.REFERENCE (ragged; te_kernels=reference) or TE's
+
+No token is dropped unless a ragged_buffer_factor smaller than the worst case bounds the EP buffers, and then
+every slot that found no room is counted (`overflow`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from MaxText.layers.moe import te_kernels
+from MaxText.layers.moe.dispatch import AlignedSort, LocalSort, Selection
+from MaxText.layers.moe.ep import ExpertParallel
+from MaxText.layers.moe.experts import expert_ffn
+from MaxText.layers.moe.layout import mesh_layout
+from MaxText.layers.moe.nccl_ep import NcclEp
+from MaxText.layers.moe.router import Routing
+
+
+def dispatcher(cfg, layout, kernels, num_experts: int):
+    """The dispatcher of this impl on this layout (num_experts: every expert, over all devices)."""
+    local = AlignedSort if cfg.moe_impl == "te_dropless" else LocalSort
+    if layout.num_ep == 1:
+        return local(num_experts)
+    if kernels.te is not None:
+        return NcclEp(kernels.te, cfg, layout)
+    return ExpertParallel(num_experts, num_experts // layout.num_ep, local, "expert", cfg.ragged_buffer_factor,
+                          cfg.ep_dedup)
+
+
+def _chunks(tokens: int, chunks: int):
+    """num_moe_token_chunks consecutive slices of a device's tokens (fewer when there are fewer tokens)."""
+    bounds = sorted({tokens * i // chunks for i in range(chunks + 1)})
+    return list(zip(bounds, bounds[1:]))
+
+
+def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
+    """y_TD and {"overflow": real token-slots that got no expert output, over all devices}, through the kernel
+    set `kernels` (default: te_kernels.kernels(cfg)). Per device in shard_map (layout.py); with expert
+    parallelism and num_moe_token_chunks > 1 each consecutive slice of a device's tokens has its own
+    exchanges, so a slice's all-to-all need not wait for another's GEMMs (the result is the same)."""
+    kernels = kernels or te_kernels.kernels(cfg)
+    layout = mesh_layout(rules)
+    plan = dispatcher(cfg, layout, kernels, w.wi_0_EDF.shape[0])
+    gemm = kernels.gemm(cfg.te_gmm_quantization)
+    if isinstance(plan, NcclEp):
+        # TE partitions its NCCL EP ops over the global arrays: only the experts run per rank, in shard_map.
+        x_NRD, sizes_NE, handle = plan.dispatch(x_TD, routing)
+
+        def experts(x_1RD, sizes_1E, w):
+            y_RD = expert_ffn(x_1RD[0], sizes_1E[0], layout.gather(w, x_1RD.dtype), gemm)
+            return layout.reduce(y_RD[None], jnp.zeros((), jnp.int32))
+
+        y_NRD, _ = layout.run(experts, (x_NRD, sizes_NE), w, kernels.check_vma)
+        y_TD = plan.combine(y_NRD, handle)
+        return y_TD.astype(x_TD.dtype), {"overflow": handle.overflow}
+
+    chunks = cfg.num_moe_token_chunks if layout.num_ep > 1 else 1
+
+    def stages(x_TD, experts_TK, weights_TK, w):
+        w = layout.gather(w, x_TD.dtype)
+        ys, overflow = [], 0
+        for a, b in _chunks(x_TD.shape[0], chunks):
+            x_RD, group_sizes_E, handle = plan.dispatch(x_TD[a:b], Selection(experts_TK[a:b], weights_TK[a:b]))
+            y_RD = expert_ffn(x_RD, group_sizes_E, w, gemm)
+            ys.append(plan.combine(y_RD, handle))
+            overflow = overflow + handle.overflow
+        return layout.reduce(ys[0] if len(ys) == 1 else jnp.concatenate(ys), overflow)
+
+    y_TD, overflow = layout.run(stages, (x_TD, routing.experts_TK, routing.weights_TK), w, kernels.check_vma)
+    return y_TD, {"overflow": overflow}
