@@ -573,27 +573,37 @@ def test_top_k_by_sort_is_lax_top_k_ties_included():
         np.testing.assert_array_equal(values, want_values)
 
 
-def test_bias_update_finds_every_bias_by_type_not_by_path():
-    """models.update_moe_bias moves each bias by its own layer's load, wherever the modules holding it are and
-    whatever they are called (unrolled layers in index order, 2 before 10; a scanned [L, E] stack; the MTP
-    depths), and refuses a model whose biases and load rows do not pair up instead of skipping some."""
-    from MaxText.layers.models import update_moe_bias
+@pytest.mark.parametrize("scan", [True, False])
+def test_bias_update_is_a_tree_map_over_the_module_tree(scan):
+    """models.moe_load puts each MoE layer's load row (and each MTP depth's) where that layer's routing bias is
+    in the model's MoeBias state, so update_moe_bias is one jax.tree.map: 12 MoE layers (unrolled: layers_2
+    before layers_10), a scanned [L, E] stack, two MTP depths. A load tree that does not pair up with the biases
+    raises instead of leaving a bias unmoved."""
+    from flax import nnx
 
-    e = 4
-    load = jnp.array([[0.0, 1, 2, 3], [3.0, 2, 1, 0], [1.0, 1, 1, 5]])  # one row per layer: distinct signs
-    step = np.sign(jnp.mean(load, axis=-1, keepdims=True) - load) * 0.5
-    unrolled = {"moe_layers": {f"layers_{i}": {"renamed_ffn": {"bias": jnp.zeros(e)}} for i in (0, 2, 10)},
-                "mtp": {"mtp_1": {"block": {"b": jnp.zeros(e)}}}}
-    new = update_moe_bias(unrolled, load, 0.5, mtp_load_KE=load[2:])
-    for row, name in enumerate(("layers_0", "layers_2", "layers_10")):
-        np.testing.assert_allclose(new["moe_layers"][name]["renamed_ffn"]["bias"], step[row])
-    np.testing.assert_allclose(new["mtp"]["mtp_1"]["block"]["b"], step[2])
-    scanned = {"decoder": {"stack": {"router_bias": jnp.zeros((3, e))}}}
-    np.testing.assert_allclose(update_moe_bias(scanned, load, 0.5)["decoder"]["stack"]["router_bias"], step)
-    with pytest.raises(ValueError, match="3 MoE routing bias rows but load_LE has 2"):
-        update_moe_bias(unrolled, load[:2], 0.5, mtp_load_KE=load[2:])
-    with pytest.raises(ValueError, match="mtp_load_KE has None"):
-        update_moe_bias(unrolled, load, 0.5)
+    from MaxText.layers.models import Transformer, moe_load, update_moe_bias
+    from MaxText.layers.moe.block import MoeBias
+
+    cfg = tiny_config("routed_bias=true", "routed_score_func=sigmoid", "base_num_decoder_layers=13",
+                      "first_num_dense_layers=1", "mtp_num_layers=2", f"scan_layers={str(scan).lower()}")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), nnx.to_pure_dict(nnx.state(model, MoeBias)))
+    e = cfg.num_experts
+    load_LE = jnp.arange(12 * e, dtype=jnp.float32).reshape(12, e) ** 2 % 7  # distinct rows
+    mtp_load_KE = -load_LE[:2]
+    new = update_moe_bias(aux, moe_load(model, load_LE, mtp_load_KE), 0.5)
+    step = lambda load: np.sign(np.mean(load, axis=-1, keepdims=True) - load) * 0.5  # noqa: E731
+    layers = new["moe_layers"]
+    if scan:
+        np.testing.assert_allclose(layers["layers"]["moe"]["bias"], step(load_LE))
+    else:
+        assert len(layers) == 12
+        for i in range(12):
+            np.testing.assert_allclose(layers[f"layers_{i}"]["moe"]["bias"], step(load_LE[i]), err_msg=f"layer {i}")
+    for k in (1, 2):
+        np.testing.assert_allclose(new["mtp"][f"mtp_{k}"]["layer"]["moe"]["bias"], step(mtp_load_KE[k - 1]))
+    with pytest.raises(ValueError):
+        update_moe_bias(aux, moe_load(model, load_LE), 0.5)  # no MTP load: the MTP biases would not move
 
 
 # ---------------------------------------------------------------------------------- padding is not load

@@ -41,6 +41,10 @@ class DecoderLayer(nnx.Module):
             h, stats = self.mlp(normed), {}
         return x_BLD + h, stats
 
+    def moe_load(self, load_E) -> dict:
+        """This layer's MoE load in the shape of its MoeBias state ({} for a dense layer)."""
+        return {"moe": self.moe.moe_load(load_E)} if self.is_moe else {}
+
 
 def remat_policy(cfg):
     """jax.checkpoint policy for remat_policy; None means no rematerialisation at all."""
@@ -101,3 +105,10 @@ class LayerStack(nnx.Module):
             x_BLD, stats = call_remat(getattr(self, f"layers_{i}"), x_BLD, positions_BL, segment_ids_BL, policy, remat)
             per_layer.append(stats)
         return x_BLD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+    def moe_load(self, load_LE) -> dict:
+        """The stacked per-layer load [count, E] in the shape of this stack's MoeBias state: the scanned layer's
+        one [count, E] bias takes it whole, unrolled layer i row i."""
+        if self.scan:
+            return {"layers": self.layers.moe_load(load_LE)}
+        return {f"layers_{i}": getattr(self, f"layers_{i}").moe_load(load_LE[i]) for i in range(self.count)}

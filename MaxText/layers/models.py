@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -62,30 +61,26 @@ class Transformer(nnx.Module):
         return x, stats
 
 
-def update_moe_bias(aux: dict, load_LE, rate: float, mtp_load_KE=None) -> dict:
-    """Moves every MoE routing bias by its layer's load. `aux` is the model's MoeBias state as a pure dict
-    (state.py selects it by type, so every leaf is a bias, whatever the modules holding it are called):
-    the biases under `mtp` follow mtp_load_KE [K, E], the others load_LE [L, E]. A scanned stack keeps one
-    [L, E] bias that takes the whole load; unrolled layers keep one [E] bias each, which take the load's rows
-    in the order of the layer indices in their names (layers_2 before layers_10). Biases and load rows must
-    match one to one: a mismatch raises instead of leaving a bias unmoved."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(aux)
-    groups: dict[bool, list[int]] = {False: [], True: []}
-    for i, (path, _) in enumerate(flat):
-        groups[getattr(path[0], "key", None) == "mtp"].append(i)
-    new = [bias for _, bias in flat]
-    for is_mtp, members in groups.items():
-        if not members:
-            continue
-        load = mtp_load_KE if is_mtp else load_LE
-        name = "mtp_load_KE" if is_mtp else "load_LE"
-        members = sorted(members, key=lambda i: [int(n) for k in flat[i][0]
-                                                 for n in re.findall(r"\d+", str(getattr(k, "key", k)))])
-        count = sum(b.shape[0] if b.ndim == 2 else 1 for b in (flat[i][1] for i in members))
-        if load is None or load.shape[0] != count:
-            raise ValueError(f"update_moe_bias: {count} MoE routing bias rows but {name} has "
-                             f"{None if load is None else load.shape[0]}")
-        for row, i in enumerate(members):  # a scanned stack's one [L, E] bias takes the whole load
-            bias = flat[i][1]
-            new[i] = bias_update(bias, load if bias.ndim == 2 else load[row], rate)
-    return jax.tree_util.tree_unflatten(treedef, new)
+def _pruned(tree):
+    """The tree without its empty dicts (nnx.state(model, MoeBias) has no entry for a module without a bias)."""
+    if not isinstance(tree, dict):
+        return tree
+    kept = {k: _pruned(v) for k, v in tree.items()}
+    return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
+
+
+def moe_load(model: Transformer, load_LE, mtp_load_KE=None) -> dict:
+    """The MoE layers' load (stats["load_E"], one row per MoE layer) and the MTP depths' in the shape of the
+    model's MoeBias state (nnx.to_pure_dict(nnx.state(model, MoeBias))): each module maps its own children."""
+    tree = {}
+    if model.num_moe:
+        tree["moe_layers"] = model.moe_layers.moe_load(load_LE)
+    if getattr(model, "mtp", None) is not None and mtp_load_KE is not None:
+        tree["mtp"] = model.mtp.moe_load(mtp_load_KE)
+    return _pruned(tree)
+
+
+def update_moe_bias(aux: dict, load: dict, rate: float) -> dict:
+    """Moves every MoE routing bias by its own layer's load: `load` is moe_load's tree, in the shape of `aux`
+    (the model's MoeBias state as a pure dict). A bias without a load, or a load without a bias, raises."""
+    return jax.tree.map(lambda bias, load_E: bias_update(bias, load_E, rate), aux, load)

@@ -42,6 +42,9 @@ class MTPDepth(nnx.Module):
         h_BLD = joined @ self.projection[...].astype(self.dtype)
         return call_remat(self.layer, h_BLD, positions_BL, segment_ids_BL, self.policy, self.remat)
 
+    def moe_load(self, load_E) -> dict:
+        return {"layer": self.layer.moe_load(load_E)}
+
 
 class MultiTokenPrediction(nnx.Module):
     """mtp_num_layers sequential depths (attributes mtp_1, mtp_2, ...)."""
@@ -68,3 +71,7 @@ class MultiTokenPrediction(nnx.Module):
                                         lambda h, depth=depth: embedder.logits(depth.final_norm(h)), self.tiles))
             per_depth.append(stats)
         return jnp.mean(jnp.stack(losses)), jax.tree.map(lambda *xs: jnp.stack(xs), *per_depth)
+
+    def moe_load(self, load_KE) -> dict:
+        """The per-depth load [depths, E] in the shape of the depths' MoeBias state, depth k row k - 1."""
+        return {f"mtp_{k}": getattr(self, f"mtp_{k}").moe_load(load_KE[k - 1]) for k in range(1, self.depths + 1)}

@@ -67,3 +67,7 @@ class MoeBlock(nnx.Module):
         slots = (b * l if valid_T is None else jnp.sum(valid_T)) * self.cfg.num_experts_per_tok
         stats.update(overflow=overflow, dropped_fraction=overflow / jnp.maximum(slots, 1))
         return y_BLD, stats
+
+    def moe_load(self, load_E) -> dict:
+        """This layer's load in the shape of its MoeBias state ({} without a bias)."""
+        return {"bias": load_E} if self.cfg.routed_bias else {}
