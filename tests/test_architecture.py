@@ -269,3 +269,49 @@ def test_moe_ffn_reaches_the_grouped_gemm_in_at_most_4_calls(impl, mesh_name):
     depths = calls_to_grouped_gemm(impl, MOE_MESHES[mesh_name])
     assert len(depths) >= 3, f"{impl} on {mesh_name}: the grouped GEMM was called {len(depths)} times"
     assert -1 not in depths and max(depths) <= 4, f"{impl} on {mesh_name}: calls from moe_ffn {depths}"
+
+
+# ------------------------------------------------------------------------------------------- config keys read
+
+CONFIG_METHODS = {"get", "items", "keys", "lock", "to_dict", "unlocked"}  # ConfigDict's own, not keys
+
+
+def config_keys_read(source: str) -> dict[str, int]:
+    """Every config key `source` reads by name, with a line: cfg.key, self.cfg.key, cfg["key"], cfg.get("key"),
+    getattr(cfg, "key"). Keys built at run time (cfg[f"{axis}_parallelism"]) are not seen."""
+    def is_cfg(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "cfg") or (isinstance(node, ast.Attribute)
+                                                                       and node.attr == "cfg")
+
+    def text(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and is_cfg(node.value) and node.attr not in CONFIG_METHODS:
+            found.setdefault(node.attr, node.lineno)
+        elif isinstance(node, ast.Subscript) and is_cfg(node.value) and text(node.slice):
+            found.setdefault(text(node.slice), node.lineno)
+        elif isinstance(node, ast.Call) and node.args:
+            func, args = node.func, node.args
+            if isinstance(func, ast.Attribute) and func.attr == "get" and is_cfg(func.value) and text(args[0]):
+                found.setdefault(text(args[0]), node.lineno)
+            elif isinstance(func, ast.Name) and func.id == "getattr" and is_cfg(args[0]) and text(args[1]):
+                found.setdefault(text(args[1]), node.lineno)
+    return found
+
+
+def test_the_key_scanner_sees_every_way_of_reading_a_key():
+    source = 'cfg.a\nself.cfg.b\ncfg["c"]\ncfg.get("d", 1)\ngetattr(cfg, "e")\ncfg.to_dict()\ncfg[f"{x}_y"]\n'
+    assert set(config_keys_read(source)) == {"a", "b", "c", "d", "e"}
+
+
+def test_code_reads_only_keys_that_base_yml_declares():
+    """configs/base.yml declares every key (its default, its type, its one-line doc): a key read anywhere in
+    MaxText/ that it lacks is a typo or an undeclared key, which load_config would never fill."""
+    import yaml  # noqa: PLC0415 - only this test reads YAML
+
+    declared = set(yaml.safe_load((ROOT / "configs" / "base.yml").read_text()))
+    undeclared = [f"{path.relative_to(ROOT)}:{line} reads {key}" for path in sorted(MODULES.values())
+                  for key, line in config_keys_read(path.read_text()).items() if key not in declared]
+    assert not undeclared, "keys that configs/base.yml does not declare:\n" + "\n".join(undeclared)

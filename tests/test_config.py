@@ -302,7 +302,6 @@ def test_wrong_type_in_yaml_file_raises_naming_key(tmp_path):
 
 CROSS_KEY_CASES = [
     (["num_experts_per_tok=9"], ["num_experts_per_tok=9", "num_experts=8"]),
-    (["num_experts=8", "ici_expert_parallelism=3"], ["num_experts=8", "ici_expert_parallelism"]),
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], ["ici_fsdp_parallelism", "ici_data_parallelism"]),
     (["base_num_query_heads=6", "base_num_kv_heads=4"], ["base_num_query_heads", "base_num_kv_heads"]),
     (["first_num_dense_layers=5"], ["first_num_dense_layers", "base_num_decoder_layers"]),
@@ -359,6 +358,14 @@ def test_mesh_shape_dcn_times_ici_fsdp():
 def test_mesh_shape_not_matching_device_count_raises(argv):
     with pytest.raises(ConfigError, match="parallelism"):
         sharding.mesh_shape(load_config(argv), num_devices=8)
+
+
+@pytest.mark.parametrize("expert", ["ici_expert_parallelism=4", "ici_expert_parallelism=-1"])
+def test_experts_that_do_not_split_over_the_expert_axis_are_refused_with_the_mesh(expert):
+    """One check, whether the axis is set or fills the devices (-1): parallel/checks.check_mesh."""
+    cfg = load_config(["num_experts=6", "ici_fsdp_parallelism=2", expert])
+    with pytest.raises(ConfigError, match="num_experts=6 must be divisible by the expert mesh axis, which is 4 here"):
+        sharding.mesh_shape(cfg, num_devices=8)
 
 
 def test_global_batch_size_fractional_per_device():

@@ -216,15 +216,11 @@ def check_layers(cfg) -> None:
 
 
 def check_experts(cfg) -> None:
-    """Top-k within the experts, and experts divisible over the expert mesh axis."""
+    """Top-k within the experts. (Experts over the expert mesh axis: parallel/checks.check_mesh, once the axis's
+    size is known, -1 included.)"""
     if cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(
             f"num_experts_per_tok={cfg.num_experts_per_tok} must not exceed num_experts={cfg.num_experts}")
-    ep = cfg.ici_expert_parallelism * cfg.dcn_expert_parallelism
-    if cfg.num_experts > 1 and ep > 0 and cfg.num_experts % ep:
-        raise ConfigError(
-            f"num_experts={cfg.num_experts} must be divisible by the expert parallelism "
-            f"ici_expert_parallelism x dcn_expert_parallelism = {ep}")
 
 
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
