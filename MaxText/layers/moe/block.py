@@ -52,8 +52,10 @@ class MoeBlock(nnx.Module):
         x_TD = x_BLD.reshape(b * l, d)
         bias = self.bias[...] if self.cfg.routed_bias else None
         valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
-        # Route, then dispatch -> experts -> combine (moe_ffn). te_dropless selects with its kernel set's top-k.
-        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=te_kernels.kernels(self.cfg).topk, valid_T=valid_T)
+        # Route, then dispatch -> experts -> combine (moe_ffn). te_dropless selects with its kernel set's top-k
+        # (TE's fused router, or the reference: the same choice as route's own, computed from the logits again).
+        topk = te_kernels.kernels(self.cfg).topk if self.cfg.moe_impl == "te_dropless" else None
+        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=topk, valid_T=valid_T)
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
         y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
