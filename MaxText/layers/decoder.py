@@ -42,8 +42,8 @@ class DecoderLayer(nnx.Module):
         return x_BLD + h, stats
 
     def moe_load(self, load_E) -> dict:
-        """This layer's MoE load in the shape of its MoeBias state ({} for a dense layer)."""
-        return {"moe": self.moe.moe_load(load_E)} if self.is_moe else {}
+        """This MoE layer's load in the shape of its MoeBias state."""
+        return {"moe": self.moe.moe_load(load_E)}
 
 
 def remat_policy(cfg):

@@ -61,23 +61,16 @@ class Transformer(nnx.Module):
         return x, stats
 
 
-def _pruned(tree):
-    """The tree without its empty dicts (nnx.state(model, MoeBias) has no entry for a module without a bias)."""
-    if not isinstance(tree, dict):
-        return tree
-    kept = {k: _pruned(v) for k, v in tree.items()}
-    return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
-
-
 def moe_load(model: Transformer, load_LE, mtp_load_KE=None) -> dict:
     """The MoE layers' load (stats["load_E"], one row per MoE layer) and the MTP depths' in the shape of the
-    model's MoeBias state (nnx.to_pure_dict(nnx.state(model, MoeBias))): each module maps its own children."""
+    model's MoeBias state (nnx.to_pure_dict(nnx.state(model, MoeBias)), which exists with routed_bias: then
+    every MoE block has a bias): each module maps its own children."""
     tree = {}
     if model.num_moe:
         tree["moe_layers"] = model.moe_layers.moe_load(load_LE)
     if getattr(model, "mtp", None) is not None and mtp_load_KE is not None:
         tree["mtp"] = model.mtp.moe_load(mtp_load_KE)
-    return _pruned(tree)
+    return tree
 
 
 def update_moe_bias(aux: dict, load: dict, rate: float) -> dict:

@@ -23,8 +23,7 @@ def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
     """Token-mean cross-entropy over real target tokens, plus the weighted MoE load-balance and z losses
     (summed over MoE layers: each router is balanced on its own) and the scaled Multi-Token Prediction loss.
 
-    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, mtp_loss, moe stats, mtp stats} and,
-    with routing biases (nnx_aux), bias_load: the expert loads in the shape of nnx_aux (models.moe_load).
+    Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, mtp_loss, moe stats, mtp stats}.
     """
     model = _model(graphdef, params, nnx_aux)
     h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
@@ -39,11 +38,8 @@ def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
     z_loss = cfg.router_z_loss_weight * sum(jnp.sum(s["z_loss"]) for s in router_stats) if router_stats \
         else jnp.zeros(())
     total = lm_loss + moe_aux + z_loss + cfg.mtp_loss_scaling_factor * mtp_loss
-    aux = {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe_z_loss": z_loss, "mtp_loss": mtp_loss,
-           "moe": moe_stats, "mtp": mtp_stats}
-    if nnx_aux:
-        aux["bias_load"] = moe_load(model, moe_stats.get("load_E"), mtp_stats.get("load_E"))
-    return total, aux
+    return total, {"lm_loss": lm_loss, "moe_aux_loss": moe_aux, "moe_z_loss": z_loss, "mtp_loss": mtp_loss,
+                   "moe": moe_stats, "mtp": mtp_stats}
 
 
 def moe_metrics(stats) -> dict:
@@ -103,16 +99,14 @@ def accumulated_loss_and_grads(params, batch, loss, cfg):
         scale = {"lm_loss": share, "mtp_loss": share, "moe_z_loss": share, "moe_aux_loss": 1.0 / steps}
         aux = {k: (v * scale[k] if k in scale else v) for k, v in aux.items()}
         summed = jax.tree.map(jnp.add, carry, (value, grads, {k: aux[k] for k in scale}))
-        return summed, {k: aux[k] for k in ("moe", "mtp", "bias_load") if k in aux}
+        return summed, {k: aux[k] for k in ("moe", "mtp")}
 
     zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params),
              {k: jnp.zeros(()) for k in ("lm_loss", "mtp_loss", "moe_z_loss", "moe_aux_loss")})
     (value, grads, losses), routers = jax.lax.scan(body, zeros, (micro, share_M))
-    bias_load = {"bias_load": jax.tree.map(lambda v: jnp.sum(v, axis=0), routers.pop("bias_load"))} \
-        if "bias_load" in routers else {}
     combined = {part: {k: (jnp.sum(v, axis=0) if k in SUMMED_STATS else jnp.mean(v, axis=0)) for k, v in stats.items()}
                 for part, stats in routers.items()}
-    return value, {**losses, **combined, **bias_load}, grads
+    return value, {**losses, **combined}, grads
 
 
 def train_step(state, batch, *, graphdef, cfg, tx):
@@ -128,7 +122,10 @@ def train_step(state, batch, *, graphdef, cfg, tx):
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                  "opt_state": opt_state}
     if nnx_aux:  # aux-loss-free balancing: the bias follows this step's measured load, outside the optimizer
-        new_state["nnx_aux"] = update_moe_bias(nnx_aux, aux["bias_load"], cfg.routed_bias_update_rate)
+        # The step's loads (summed over micro-batches) in the biases' tree: the model's structure, no compute.
+        load = moe_load(_model(graphdef, state["params"], nnx_aux), aux["moe"].get("load_E"),
+                        aux["mtp"].get("load_E") if aux["mtp"] else None)
+        new_state["nnx_aux"] = update_moe_bias(nnx_aux, load, cfg.routed_bias_update_rate)
     metrics = {
         "loss": loss_value,
         "lm_loss": aux["lm_loss"],

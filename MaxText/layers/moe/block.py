@@ -71,5 +71,5 @@ class MoeBlock(nnx.Module):
         return y_BLD, stats
 
     def moe_load(self, load_E) -> dict:
-        """This layer's load in the shape of its MoeBias state ({} without a bias)."""
-        return {"bias": load_E} if self.cfg.routed_bias else {}
+        """This layer's load in the shape of its MoeBias state (routed_bias=true)."""
+        return {"bias": load_E}

@@ -43,7 +43,7 @@ def weighted_sum(out_SD, weights_TK):
 
 class SortHandle(NamedTuple):
     order_S: jax.Array      # the stable sort of the slots by expert
-    order_M: jax.Array      # its first `max_slots` entries: the slots in the buffer
+    order_R: jax.Array      # its first `max_slots` entries: the slots in the buffer, one per row
     weights_TK: jax.Array
     overflow: jax.Array
 
@@ -57,21 +57,21 @@ class LocalSort(NamedTuple):
 
     @jax.named_scope("moe_dispatch")
     def dispatch(self, x_TD, routing):
-        t, k = routing.experts_TK.shape
+        k = routing.experts_TK.shape[1]
         experts_S = routing.experts_TK.reshape(-1)
         order_S = jnp.argsort(experts_S, stable=True)
         group_sizes_E = jnp.sum(jax.nn.one_hot(experts_S, self.num_experts, dtype=jnp.int32), axis=0)
-        order_M = order_S[:self.max_slots]
-        handle = SortHandle(order_S, order_M, routing.weights_TK, jnp.zeros((), jnp.int32))
-        return x_TD[order_M // k], group_sizes_E, handle
+        order_R = order_S[:self.max_slots]
+        handle = SortHandle(order_S, order_R, routing.weights_TK, jnp.zeros((), jnp.int32))
+        return x_TD[order_R // k], group_sizes_E, handle
 
     @jax.named_scope("moe_combine")
     def combine(self, y_RD, h: SortHandle):
         s = h.order_S.shape[0]
-        if h.order_M.shape[0] == s:
+        if h.order_R.shape[0] == s:
             y_SD = y_RD[jnp.argsort(h.order_S)]
         else:
-            y_SD = jnp.zeros((s,) + y_RD.shape[1:], y_RD.dtype).at[h.order_M].set(y_RD)
+            y_SD = jnp.zeros((s,) + y_RD.shape[1:], y_RD.dtype).at[h.order_R].set(y_RD)
         return weighted_sum(y_SD, h.weights_TK)
 
 
@@ -83,10 +83,11 @@ def aligned_buffer_rows(slots: int, num_experts: int, align: int = ALIGN) -> int
 
 
 @jax.named_scope("moe_dispatch")
-def aligned_permute(x_ND, experts_S, num_experts: int, align: int = ALIGN, rows_per_input: int = 1,
+def aligned_permute(x_TD, experts_S, num_experts: int, align: int = ALIGN, rows_per_input: int = 1,
                     max_slots: int | None = None):
-    """Slots -> expert-major buffer with `align`-row-aligned groups; slot s reads input row s // rows_per_input.
-    The buffer is sized for `max_slots` real slots (static; default: all of them).
+    """Slots -> expert-major buffer with `align`-row-aligned groups; slot s reads row s // rows_per_input of x_TD
+    (tokens, or an EP buffer's received rows). The buffer is sized for `max_slots` real slots (static; default:
+    all of them).
 
     Returns (x_RD, group_sizes_E, rows_S): the buffer (padding rows 0), each group's size rounded up to
     `align` (TE's aligned counts), and the buffer row of every slot. Slots whose id is >= num_experts
@@ -103,7 +104,7 @@ def aligned_permute(x_ND, experts_S, num_experts: int, align: int = ALIGN, rows_
     rank = jnp.arange(s) - (jnp.cumsum(counts_E) - counts_E)[e]  # position inside its expert group
     rows_sorted = jnp.where(real, (jnp.cumsum(sizes_E) - sizes_E)[e] + rank, rows)
     rows_S = jnp.zeros((s,), jnp.int32).at[order_S].set(rows_sorted.astype(jnp.int32))
-    x_SD = x_ND[jnp.arange(s) // rows_per_input] if rows_per_input > 1 else x_ND
+    x_SD = x_TD[jnp.arange(s) // rows_per_input] if rows_per_input > 1 else x_TD
     x_RD = jnp.zeros((rows,) + x_SD.shape[1:], x_SD.dtype).at[rows_S].set(x_SD, mode="drop")
     return x_RD, sizes_E, rows_S
 
