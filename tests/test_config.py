@@ -20,7 +20,7 @@ import yaml
 
 from MaxText.config import checks, parse, load as config
 from MaxText.parallel import checks as mesh_checks, sharding
-from MaxText.config.checks import MESH_AXES
+from MaxText.config.schema import MESH_AXES, SCHEMA
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import load_config
 
@@ -278,7 +278,7 @@ def test_float_in_exponent_notation_is_accepted():
 
 
 def test_null_on_command_line_unsets_optional_string_keys():
-    keys = [k for k, t in parse.OPTIONAL_KEY_TYPES.items() if t is str]
+    keys = [k for k, spec in SCHEMA.items() if spec.null and spec.type is str]
     values = {k: load_config([f"{k}=null"])[k] for k in keys}
     not_unset = {k: v for k, v in values.items() if v is not None}
     assert not_unset == {}, f"`key=null` should unset these keys (None), but they hold strings: {not_unset}"

@@ -12,7 +12,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from MaxText.parallel import sharding
-from MaxText.config.checks import REMAT_TENSOR_NAMES
+from MaxText.config.schema import REMAT_TENSOR_NAMES
 from MaxText.layers.models import Transformer
 from tests.tiny import tiny_config
 

@@ -1,5 +1,6 @@
 """Stopping cleanly: a non-finite step is never checkpointed, and SIGTERM or Ctrl-C checkpoints and exits 0."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from MaxText.trainer import checkpointing
-from MaxText.config import checks as config_checks
+from MaxText.config.schema import SCHEMA
 from MaxText.config.load import load_config
 from MaxText.step.state import state_spec
 from MaxText.trainer.loop import NonFiniteError, train
@@ -29,7 +30,7 @@ def test_non_finite_loss_stops_and_only_finite_states_are_saved(tmp_path, capsys
     """An absurd learning rate blows the weights up within a few steps: the run stops naming the step, and
     every checkpoint it left holds finite parameters. (Start-up refuses a learning rate above 10; lifted here,
     it stands in for what a run meets in flight: bad data, a faulty chip.)"""
-    monkeypatch.setitem(config_checks.RANGES, "learning_rate", (None, None))
+    monkeypatch.setitem(SCHEMA, "learning_rate", dataclasses.replace(SCHEMA["learning_rate"], high=None))
     args = TINY + [f"base_output_directory={tmp_path}", "run_name=nan", "steps=30", "checkpoint_period=1",
                    "learning_rate=1e38", "warmup_steps_fraction=0", "gradient_clipping_threshold=null",
                    "async_checkpointing=false"]

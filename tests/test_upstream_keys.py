@@ -172,7 +172,7 @@ def test_model_family_and_tokenizer_type_that_agree_are_accepted():
                                                              "moe_mlpwi_1", "moe_mlpwo")})),
 ])
 def test_upstream_remat_policies_map_onto_this_trainers_names(policy, want):
-    from MaxText.config.checks import REMAT_TENSOR_NAMES
+    from MaxText.config.schema import REMAT_TENSOR_NAMES
 
     cfg = load_config([f"remat_policy={policy}", "query_proj=offload"])  # ignored, as upstream ignores it
     mode, locations = want

@@ -1,7 +1,8 @@
 """Cross-key checks of a loaded config: each `check_*` function raises ConfigError naming the keys and the fix.
 
 load.load_config runs them all (validate) on the merged values; they read a ConfigDict and touch nothing
-else. The sets of allowed values live here beside the checks that use them.
+else. Each key's own choices and range are schema.py's (check_schema reads them); the other checks relate keys to
+each other.
 """
 
 from __future__ import annotations
@@ -11,52 +12,18 @@ import re
 from fractions import Fraction
 
 from MaxText.config.errors import ConfigError, clip, shown
-from MaxText.config.hardware import GPU_PROFILES
+from MaxText.config.schema import MESH_AXES, SCHEMA
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # run_name and model_name: one path component, never a way out of its directory.
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-MOE_IMPLS = ("dense", "ragged", "te_dropless")
-REMAT_POLICIES = ("full", "minimal", "none", "custom")
-REMAT_LOCATIONS = ("remat", "device", "offload")
-# Tensors tagged with jax.ad_checkpoint.checkpoint_name in the model; `remat_policy: custom` reads one
-# REMAT_LOCATIONS value per name from the key of the same name.
-REMAT_TENSOR_NAMES = (
-    "query_proj", "key_proj", "value_proj", "out_proj", "mla_q", "mla_kv",
-    "mlpwi_0", "mlpwi_1", "mlpwo",
-    "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "moe_dispatch",
-)
-DTYPES = ("float32", "bfloat16", "float16")
-HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
-DATASET_TYPES = ("tfds", "grain", "hf", "synthetic")
-TE_KERNELS = ("auto", "reference")
-TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
-ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
-LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
-ROPE_TYPES = ("default", "yarn")
-ATTENTION_TYPES = ("mha", "mla")
-ATTENTION_IMPLS = ("dot_product", "chunked", "cudnn_flash")
 
 
-def check_choices(cfg) -> None:
-    """Keys with a fixed set of values."""
-    choices = {
-        "moe_impl": MOE_IMPLS, "remat_policy": REMAT_POLICIES, "dtype": DTYPES, "weight_dtype": DTYPES,
-        "hardware": HARDWARE, "dataset_type": DATASET_TYPES, "opt_type": ("adamw",), "te_kernels": TE_KERNELS,
-        "te_gmm_quantization": TE_GMM_QUANTIZATIONS, "routed_score_func": ROUTER_SCORE_FUNCS,
-        "load_balance_loss_type": LOAD_BALANCE_LOSS_TYPES, "rope_type": ROPE_TYPES,
-        "attention_type": ATTENTION_TYPES, "attention": ATTENTION_IMPLS, "profiler": ("", "xplane"),
-        "routing_group_score": ("topk_sum", "max"),
-        "lr_schedule_type": ("cosine", "wsd"), "wsd_decay_style": ("linear", "cosine"),
-        **{name: REMAT_LOCATIONS for name in REMAT_TENSOR_NAMES},
-    }
-    for key, allowed in choices.items():
-        if cfg[key] not in allowed:
-            raise ConfigError(f"{key}={cfg[key]} is not one of {', '.join(allowed)}")
-    if cfg.mu_dtype is not None and cfg.mu_dtype not in DTYPES:
-        raise ConfigError(f"mu_dtype={cfg.mu_dtype} is not one of {', '.join(DTYPES)} (or null: the weight dtype)")
-    if cfg.gpu_profile is not None and cfg.gpu_profile not in GPU_PROFILES:
-        raise ConfigError(f"gpu_profile={cfg.gpu_profile} is not one of {', '.join(GPU_PROFILES)} (or null)")
+def check_schema(cfg) -> None:
+    """Each key by its own rules (schema.SCHEMA): one of its choices, within its range, a finite number."""
+    for key, spec in SCHEMA.items():
+        error = None if cfg[key] is None else spec.error(cfg[key])
+        if error:
+            raise ConfigError(f"{key}={cfg[key]} {error}")
 
 
 def check_te_options(cfg) -> None:
@@ -92,96 +59,18 @@ def check_router(cfg) -> None:
     if cfg.routed_bias and cfg.routed_score_func != "sigmoid":
         raise ConfigError("routed_bias=true needs routed_score_func=sigmoid: the aux-loss-free bias (DeepSeek-V3) "
                           "shifts independent sigmoid scores; with softmax it would also rescale the others")
-    if cfg.routed_bias_update_rate < 0:
-        raise ConfigError(f"routed_bias_update_rate={cfg.routed_bias_update_rate} must not be negative")
     if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
         raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (there is no bias to update)")
-    if cfg.router_z_loss_weight < 0:
-        raise ConfigError(f"router_z_loss_weight={cfg.router_z_loss_weight} must not be negative")
-    if cfg.ragged_buffer_factor is not None and not cfg.ragged_buffer_factor > 0:
-        raise ConfigError(f"ragged_buffer_factor={cfg.ragged_buffer_factor} must be > 0, or null for the "
-                          "dropless worst case")
 
 
-def check_positive(cfg) -> None:
-    """Sizes and periods that must be at least 1 (or > 0 for floats)."""
-    for key in ("steps", "log_period", "checkpoint_period", "base_emb_dim", "base_num_query_heads",
-                "base_num_kv_heads", "head_dim", "base_mlp_dim", "base_moe_mlp_dim", "base_num_decoder_layers",
-                "vocab_size", "num_experts", "num_experts_per_tok", "max_target_length", "attention_chunk_size",
-                "num_vocab_tiling", "num_devices", "max_num_checkpoints_to_keep", "learning_rate_schedule_steps",
-                "eval_steps", "profiler_steps", "checkpoint_timeout_s", "num_moe_token_chunks",
-                "gradient_accumulation_steps"):
-        minus_one_ok = key == "eval_steps" or (key == "base_moe_mlp_dim" and cfg.num_experts == 1)  # MaxText's -1
-        if cfg[key] is not None and cfg[key] < 1 and not (minus_one_ok and cfg[key] == -1):
-            raise ConfigError(f"{key}={cfg[key]} must be at least 1" + (" (or -1: the whole eval split)"
-                                                                        if key == "eval_steps" else ""))
-    for key in ("per_device_batch_size", "capacity_factor", "gradient_clipping_threshold",
-                "normalization_layer_epsilon", "rope_max_timescale", "hbm_gib", "rope_attention_factor"):
-        if cfg[key] is not None and not cfg[key] > 0:
-            raise ConfigError(f"{key}={cfg[key]} must be greater than 0")
-    for key in ("learning_rate", "load_balance_loss_weight", "router_z_loss_weight", "adam_weight_decay",
-                "shared_experts", "mtp_num_layers", "mtp_loss_scaling_factor", "skip_first_n_steps_for_profiler",
-                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "routed_bias_update_rate", "first_num_dense_layers"):
-        if cfg[key] is not None and cfg[key] < 0:
-            raise ConfigError(f"{key}={cfg[key]} must not be negative")
-    for key, value in cfg.items():  # inf and nan in a float key make no sense anywhere
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value} must be a finite number")
-    for key in ("adam_b1", "adam_b2"):
-        if not 0 <= cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be in [0, 1) (Adam's moment decay)")
-    if not cfg.adam_eps > 0:
-        raise ConfigError(f"adam_eps={cfg.adam_eps} must be greater than 0")
-    for key in ("init_weights_seed", "data_shuffle_seed"):
-        if not 0 <= cfg[key] < 2 ** 32:
-            raise ConfigError(f"{key}={cfg[key]} must be in [0, 2**32) (a PRNG seed)")
+def check_sizes(cfg) -> None:
+    """What the schema's ranges cannot say: a batch no device holds, a schedule longer than itself."""
     if cfg.per_device_batch_size > 2 ** 20:
         raise ConfigError(f"per_device_batch_size={cfg.per_device_batch_size} is absurd (over 2**20 sequences per "
                           "device); MaxText.plan says what fits")
-    if cfg.eval_interval != -1 and cfg.eval_interval < 1:
-        raise ConfigError(f"eval_interval={cfg.eval_interval} must be at least 1, or -1 for no evaluation")
-    for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction"):
-        if not 0 <= cfg[key] <= 1:
-            raise ConfigError(f"{key}={cfg[key]} must be between 0 and 1")
     if cfg.lr_schedule_type == "wsd" and cfg.warmup_steps_fraction + cfg.wsd_decay_steps_fraction > 1:
         raise ConfigError(f"warmup_steps_fraction={cfg.warmup_steps_fraction} + wsd_decay_steps_fraction="
                           f"{cfg.wsd_decay_steps_fraction} exceed 1 (the whole schedule); lower one of them")
-
-
-INT32_MAX = 2 ** 31 - 1
-# Keys outside int32 (each checks its own range elsewhere): PRNG seeds are uint32.
-UINT32_KEYS = ("init_weights_seed", "data_shuffle_seed")
-# Upper (and the lower bounds check_positive does not give) of keys with a range that makes sense:
-# {key: (lowest, highest)}, both inclusive, None for no bound there.
-RANGES: dict[str, tuple[float | None, float | None]] = {
-    "learning_rate": (None, 10.0), "adam_weight_decay": (None, 10.0), "adam_eps": (None, 1.0),
-    "normalization_layer_epsilon": (None, 1.0), "cosine_learning_rate_final_fraction": (0.0, 1.0),
-    "wsd_decay_steps_fraction": (0.0, 1.0), "load_balance_loss_weight": (None, 100.0),
-    "router_z_loss_weight": (None, 100.0), "mtp_loss_scaling_factor": (None, 100.0),
-    "routed_bias_update_rate": (None, 1.0), "hbm_gib": (None, 1e5), "host_memory_limit_gb": (1, 1e5),
-    "rope_factor": (1e-6, None), "beta_fast": (1e-6, None), "beta_slow": (1e-6, None), "mscale": (0.0, None),
-    "original_max_position_embeddings": (1, None), "routed_scaling_factor": (1e-6, None),
-    "grain_worker_count": (0, 1024), "grain_worker_count_eval": (0, 1024), "reuse_example_batch": (0, None),
-}
-
-
-def check_ranges(cfg) -> None:
-    """Both bounds: every integer fits the int32 that JAX and Optax count steps, sizes and ids in (a seed the
-    uint32 of a PRNG key), and the keys of RANGES stay in theirs."""
-    for key, value in cfg.items():
-        if isinstance(value, int) and not isinstance(value, bool) and key not in UINT32_KEYS \
-                and not -INT32_MAX <= value <= INT32_MAX:
-            raise ConfigError(f"{key}={value} is out of range: at most 2**31 - 1 = {INT32_MAX} (steps, periods and "
-                              "sizes are int32 in JAX and Optax)")
-    for key, (low, high) in RANGES.items():
-        value = cfg[key]
-        if value is None:
-            continue
-        if (low is not None and value < low) or (high is not None and value > high):
-            bounds = (f"between {low:g} and {high:g}" if low is not None and high is not None
-                      else f"at least {low:g}" if low is not None else f"at most {high:g}")
-            raise ConfigError(f"{key}={value} must be {bounds}")
 
 
 def check_rope(cfg) -> None:
@@ -221,6 +110,9 @@ def check_experts(cfg) -> None:
     if cfg.num_experts_per_tok > cfg.num_experts:
         raise ConfigError(
             f"num_experts_per_tok={cfg.num_experts_per_tok} must not exceed num_experts={cfg.num_experts}")
+    if cfg.base_moe_mlp_dim == -1 and cfg.num_experts > 1:
+        raise ConfigError(f"base_moe_mlp_dim=-1 must be at least 1 with num_experts={cfg.num_experts} (MaxText's -1 "
+                          "means none, in a dense model)")
 
 
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
@@ -255,16 +147,13 @@ def check_dense_masks(cfg) -> None:
 
 
 def check_parallelism(cfg) -> None:
-    """Each ici_*/dcn_* value is a positive size, or -1/null (absorb the rest) for at most one axis per group."""
+    """At most one ici_*/dcn_* value per group is -1 (absorbs the rest)."""
     for group in ("ici", "dcn"):
         absorbing = []
         for axis in MESH_AXES:
             key = f"{group}_{axis}_parallelism"
-            value = cfg[key]
-            if value is None or value == -1:
+            if cfg[key] == -1:  # the schema allows a positive size or -1
                 absorbing.append(key)
-            elif value < 1:
-                raise ConfigError(f"{key}={value} must be a positive size, or -1 to absorb the remaining devices")
         if len(absorbing) > 1:
             raise ConfigError(f"only one {group}_*_parallelism may be -1, got {', '.join(absorbing)}; set the others")
 
@@ -378,7 +267,7 @@ def check_paths(cfg) -> None:
             raise ConfigError(error)
 
 
-CHECKS = (check_choices, check_te_options, check_router, check_positive, check_ranges, check_rope,
+CHECKS = (check_schema, check_te_options, check_router, check_sizes, check_rope,
           check_attention_heads, check_layers, check_experts, check_dense_masks, check_parallelism,
           check_logical_axis_rules, check_run_name, check_checkpoint_sources, check_upstream_consistency,
           check_paths)

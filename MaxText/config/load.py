@@ -7,9 +7,9 @@ Order of precedence, lowest first (upstream MaxText's):
   4. `key=value` arguments.
 A key that 2 or 4 sets and the model file sets otherwise is an error unless override_model_config=true
 (_model_layer says exactly when).
-A value is parsed to the type of its default in base.yml (keys whose default is null are typed in
-parse.OPTIONAL_KEY_TYPES). The cross-key checks are checks.py's; each raises ConfigError naming the
-keys. Loading touches no JAX device, network or output directory.
+A value is parsed to its key's type in schema.py, which also gives its choices and range; the cross-key
+checks are checks.py's; each raises ConfigError naming the keys. Loading touches no JAX device, network or
+output directory.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from MaxText.config import upstream
 from MaxText.config.checks import PLAIN_NAME, validate
 from MaxText.config.errors import ConfigError, clip, error_line
 from MaxText.config import parse  # parse.CONFIG_DIR and parse.BASE_CONFIG read at each load: tests point them elsewhere
-from MaxText.config.parse import COMMAND_LINE, MINUS_ONE_IS_UNSET, OPTIONAL_KEY_TYPES, coerce, nearest, read_yaml
+from MaxText.config.parse import COMMAND_LINE, coerce, nearest, read_yaml
+from MaxText.config.schema import SCHEMA
 
 # XLA's pool for pinned_host buffers (offloaded activations) per process, in GB; 64 when unset
 # (xla/pjrt/gpu/gpu_helpers.cc). host_memory_limit_gb sets it.
@@ -102,7 +103,7 @@ def _refuse_empty(overrides: dict[str, str], defaults: dict[str, Any]) -> None:
         if value.strip() or not known or defaults.get(key) == "" or key in upstream_empty or theirs_only:
             continue
         unset = f", or {key}=null for " + ("a fresh automatic name (a rerun then never resumes)" if key == "run_name"
-                                           else "its default") if key in OPTIONAL_KEY_TYPES else ""
+                                           else "its default") if SCHEMA[key].null else ""
         raise ConfigError(f"{key}= is empty on the command line (an unset variable in a job script?); give it a "
                           f"value{unset}")
 
@@ -112,7 +113,7 @@ def _value(key: str, value: Any, defaults: dict[str, Any], origin: str) -> Any:
     trainer does not have), MaxText's -1 for "unset" read as null. An unknown key is an error."""
     if key in defaults:
         parsed = coerce(key, value, defaults[key], origin)
-        return None if key in MINUS_ONE_IS_UNSET and parsed == -1 else parsed
+        return None if SCHEMA[key].minus_one_null and parsed == -1 else parsed
     if key in upstream.upstream_defaults():
         return upstream.parse_value(key, value, origin)
     raise ConfigError(f"unknown key {clip(repr(key))} ({origin}){nearest(key, defaults)}")
@@ -216,8 +217,9 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
     defaults = read_yaml(base_path)
     defaults.pop("base_config", None)
     _refuse_empty(overrides, defaults)
-    for key, default in defaults.items():
-        assert default is not None or key in OPTIONAL_KEY_TYPES, f"base.yml: type of null key {key} unknown"
+    if set(defaults) != set(SCHEMA):  # a maintainer's slip; tests/test_config.py says which line to fix
+        raise ConfigError(f"{clip(base_path, 200)} and MaxText/config/schema.py name different keys: "
+                          f"{', '.join(sorted(set(defaults) ^ set(SCHEMA)))}; give each key in both")
 
     whole_chain = _yaml_chain(config_path)
     chain = [(p, v) for p, v in whole_chain if p != base_path]

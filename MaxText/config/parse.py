@@ -1,6 +1,6 @@
 """Reading a config's values: YAML files parsed strictly (a key given twice is an error), and one value
-parsed to its key's type (no JAX here). load.py merges them; upstream.py reads upstream MaxText's keys with
-the same rules.
+parsed to its key's type (schema.py's; no JAX here). load.py merges them; upstream.py reads upstream MaxText's
+keys with the same rules.
 """
 
 from __future__ import annotations
@@ -16,49 +16,10 @@ from typing import Any
 import yaml
 
 from MaxText.config.errors import ConfigError, clip, shown
+from MaxText.config.schema import SCHEMA
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 BASE_CONFIG = os.path.join(CONFIG_DIR, "base.yml")
-
-# Keys whose default is null (unset), with the type a set value takes.
-OPTIONAL_KEY_TYPES: dict[str, type] = {
-    "run_name": str,
-    "xla_flags": str,
-    "model_name": str,
-    "capacity_factor": float,
-    "learning_rate_schedule_steps": int,
-    "gradient_clipping_threshold": float,
-    "max_num_checkpoints_to_keep": int,
-    "load_parameters_path": str,
-    "load_full_state_path": str,
-    "ragged_buffer_factor": float,
-    "num_devices": int,
-    "dataset_path": str,
-    "dataset_name": str,
-    "tokenizer_path": str,
-    "hbm_gib": float,
-    "gpu_profile": str,
-    "mu_dtype": str,
-    "host_memory_limit_gb": int,
-    "n_routing_groups": int,
-    "topk_routing_group": int,
-    "te_moe_block": bool,
-    "sparse_matmul": bool,
-    "decoder_block": str,
-    "tokenizer_type": str,
-    "grain_train_files": str,
-    "grain_eval_files": str,
-    "hf_path": str,
-    "hf_name": str,
-    "hf_data_dir": str,
-    "hf_train_files": str,
-    "hf_eval_files": str,
-    "hf_eval_split": str,
-}
-
-# Upstream keys whose -1 means "unset"; we read -1 as null so upstream configs keep working.
-MINUS_ONE_IS_UNSET = ("ragged_buffer_factor", "n_routing_groups", "topk_routing_group", "capacity_factor",
-                      "learning_rate_schedule_steps")
 
 
 class _DuplicateKey(Exception):
@@ -148,22 +109,18 @@ def nearest(key: str, known) -> str:
     return f"; did you mean {plain[close[0]]!r}?" if close else ""
 
 
-def _key_type(key: str, default: Any) -> type:
-    if default is None:
-        return OPTIONAL_KEY_TYPES[key]
-    return type(default)
-
-
 def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
 def coerce(key: str, value: Any, default: Any, origin: str) -> Any:
-    """Parses `value` to the type of `default`; `origin` says where the value came from."""
-    want = _key_type(key, default)
-    optional = key in OPTIONAL_KEY_TYPES
-    if isinstance(value, str) and optional and value.strip() in ("null", "None", "~", ""):
-        value = None
+    """Parses `value` to its key's type: the schema's for this trainer's keys, that of `default` (upstream's) for
+    upstream MaxText's; `origin` says where the value came from."""
+    spec = SCHEMA.get(key)
+    want = spec.type if spec is not None else type(default)
+    optional = spec is not None and spec.null
+    if isinstance(value, str) and value.strip() in ("null", "None", "~", "") and (optional or want is not str):
+        value = None  # a string key that may not be null keeps the text (a file or split may be named "null")
     elif isinstance(value, str) and origin == COMMAND_LINE and want in (int, float, bool):
         value = _command_line_scalar(want, value)
     elif isinstance(value, str) and want is not str:

@@ -27,9 +27,10 @@ from typing import Any, NamedTuple
 import yaml
 
 from MaxText.config import parse
-from MaxText.config.checks import DECODER_BLOCKS, REMAT_TENSOR_NAMES
+from MaxText.config.checks import DECODER_BLOCKS
 from MaxText.config.errors import ConfigError, clip, shown
-from MaxText.config.parse import MINUS_ONE_IS_UNSET, coerce, read_yaml
+from MaxText.config.parse import coerce, read_yaml
+from MaxText.config.schema import REMAT_TENSOR_NAMES, SCHEMA
 
 UPSTREAM_VERSION = "0.2.5"
 DEFAULTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"maxtext_{UPSTREAM_VERSION}_defaults.json")
@@ -420,7 +421,7 @@ def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, t
 def same_default(key: str, ours: Any) -> bool:
     """Whether this trainer's default `ours` for upstream's `key` means what upstream's default means."""
     theirs = upstream_defaults()[key]
-    unset = (None, "", "None") + ((-1, -1.0) if key in MINUS_ONE_IS_UNSET else ())
+    unset = (None, "", "None") + ((-1, -1.0) if key in SCHEMA and SCHEMA[key].minus_one_null else ())
     if ours in unset and theirs in unset:
         return True
     spelled = VALUE_SPELLINGS.get((key, theirs)) if isinstance(theirs, str) else None

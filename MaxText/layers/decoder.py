@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.config.checks import REMAT_TENSOR_NAMES
+from MaxText.config.schema import REMAT_TENSOR_NAMES
 from MaxText.layers.attention import Attention
 from MaxText.layers.attention_mla import MLA
 from MaxText.layers.mlp import MLP

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from MaxText.config.checks import MESH_AXES
+from MaxText.config.schema import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
 

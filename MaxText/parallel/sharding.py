@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from MaxText.config.checks import MESH_AXES
+from MaxText.config.schema import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.parallel.checks import DATA_AXES, check_mesh
 

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from MaxText.parallel import sharding
-from MaxText.config.checks import REMAT_TENSOR_NAMES
+from MaxText.config.schema import REMAT_TENSOR_NAMES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size, layer_counts
 from MaxText.layers.attention_cudnn import max_segments

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from MaxText.config.checks import MESH_AXES
+from MaxText.config.schema import MESH_AXES
 from MaxText.config.load import global_batch_size, layer_counts, load_config
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token
 from MaxText.planning.params import parameter_counts
