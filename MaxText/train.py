@@ -22,7 +22,7 @@ if __name__ == "__main__":  # from here on, SIGTERM (a scheduler's) or Ctrl-C du
     EARLY.catch()
 
 from MaxText.config.errors import ConfigError, error_line  # noqa: E402
-from MaxText.config.load import apply_xla_flags, load_config  # noqa: E402
+from MaxText.config.load import apply_xla_flags, load_config, replace  # noqa: E402
 from MaxText.config.xla_flags import check_flags  # noqa: E402
 from MaxText.data.records import DataError  # noqa: E402
 from MaxText.parallel.distributed import maybe_initialize_distributed, process_count  # noqa: E402
@@ -64,8 +64,7 @@ def _main(argv, stop) -> int:
             if processes > 1:
                 raise ConfigError("run_name must be set for a multi-process run (each process would pick "
                                   "a different timestamp); add run_name=<name>")
-            with cfg.unlocked():
-                cfg.run_name = automatic_run_name()
+            cfg = replace(cfg, run_name=automatic_run_name())
         train(cfg, stop=stop)
     except ConfigError as e:
         print(f"error: {error_line(e)}", file=sys.stderr)

@@ -273,7 +273,7 @@ def test_moe_ffn_reaches_the_grouped_gemm_in_at_most_4_calls(impl, mesh_name):
 
 # ------------------------------------------------------------------------------------------- config keys read
 
-CONFIG_METHODS = {"get", "items", "keys", "lock", "to_dict", "unlocked"}  # ConfigDict's own, not keys
+CONFIG_METHODS = {"get", "items", "keys", "as_configdict", "to_dict"}  # ConfigDict's own, not keys
 
 
 def config_keys_read(source: str) -> dict[str, int]:

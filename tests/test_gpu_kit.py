@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from MaxText.config.load import replace
 from MaxText.benchmarks import ep_check, gpu_check
 from MaxText.layers.moe import te_kernels, te_runtime
 from MaxText.planning import te_trace
@@ -124,9 +125,7 @@ def test_ep_check_dry_run_with_reference_kernels():
     assert report["status"] == "passed", table
     assert len(report["rows"]) == len(ep_check.ROUTINGS) * (len(ep_check.QUANTITIES) + 1)
     small = ep_check.layer_config(EP_PROBLEM, jax.device_count(), "reference")
-    with small.unlocked():
-        small.ragged_buffer_factor = 1.0
-    report = ep_check.run(EP_PROBLEM, small, cfg, log=lambda *_: None)
+    report = ep_check.run(EP_PROBLEM, replace(small, ragged_buffer_factor=1.0), cfg, log=lambda *_: None)
     bad = {(row["routing"], row["quantity"]) for row in report["rows"] if not row["ok"]}
     assert report["status"] == "failed" and ("all_to_one", "overflow") in bad, ep_check.format_table(report)
 

@@ -13,7 +13,7 @@ from MaxText import plan as plan_command
 from MaxText.planning import plan
 from MaxText.parallel import sharding
 from MaxText.config.parse import CONFIG_DIR
-from MaxText.config.load import load_config
+from MaxText.config.load import load_config, replace
 from MaxText.data.records import abstract_batch
 from MaxText.step.state import state_spec
 from MaxText.step.train_step import jit_train_step
@@ -64,8 +64,7 @@ def test_start_up_refuses_only_beyond_the_estimate_margin():
     total = sum(plan.device_bytes(cfg, spec, mesh_shape, 1)[0].values())
     for ratio, expect in [(0.5, None), (1.2, "warning"), (1.5, "error")]:
         hbm = total / ratio / plan.GIB
-        with cfg.unlocked():
-            cfg.hbm_gib = hbm
+        cfg = replace(cfg, hbm_gib=hbm)
         lines = []
         if expect == "error":
             with pytest.raises(ConfigError) as e:
@@ -185,8 +184,6 @@ def test_gradient_accumulation_counts_one_micro_batch_of_activations_and_the_gra
     mesh_shape = sharding.mesh_shape(cfg, 8)
     spec = state_spec(cfg, plan.abstract_mesh(mesh_shape))
     one = plan.device_bytes(cfg, spec, mesh_shape, 8)[0]
-    with cfg.unlocked():
-        cfg.gradient_accumulation_steps = 4
-    four = plan.device_bytes(cfg, spec, mesh_shape, 8)[0]
+    four = plan.device_bytes(replace(cfg, gradient_accumulation_steps=4), spec, mesh_shape, 8)[0]
     assert four["gradients"] == 2 * one["gradients"] and four["params"] == one["params"]
     assert four["activations"] < 0.3 * one["activations"], (four["activations"], one["activations"])

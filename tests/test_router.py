@@ -517,7 +517,7 @@ def test_aux_loss_free_balancing_loop():
     (["routed_bias=true", "routed_score_func=softmax"], "sigmoid"),
     (["routed_bias_update_rate=0.01"], "routed_bias"),
     (["routed_score_func=sigmoid", "routed_bias_update_rate=0.01"], "routed_bias"),
-    (["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=-0.1"], "negative"),
+    (["routed_score_func=sigmoid", "routed_bias=true", "routed_bias_update_rate=-0.1"], "between 0 and 1"),
     (["router_z_loss_weight=-1.0"], "router_z_loss_weight"),
     (["routed_score_func=relu"], "routed_score_func"),
     (["sparse_matmul=true", "moe_impl=dense"], "moe_impl"),

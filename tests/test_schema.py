@@ -13,7 +13,7 @@ import yaml
 
 from MaxText.config import parse
 from MaxText.config.errors import ConfigError
-from MaxText.config.load import load_config
+from MaxText.config.load import load_config, plain, replace
 from MaxText.config.schema import SCHEMA, Key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,3 +127,19 @@ def test_null_is_taken_exactly_where_the_schema_allows_it(key):
 def test_a_keys_rule_says_what_is_wrong_in_words(spec, value, error):
     got = spec.error(value)
     assert (got is None and error is None) or (got is not None and error is not None and got.startswith(error)), got
+
+
+def test_a_loaded_config_is_frozen_and_replace_validates_the_copy():
+    cfg = load_config(["steps=7"])
+    with pytest.raises(AttributeError):
+        cfg.steps = 0
+    assert hash(cfg) == hash(load_config(["steps=7"])), "the same values freeze to the same hashable config"
+    changed = replace(cfg, steps="9", run_name="r")
+    assert (changed.steps, changed.run_name, cfg.steps, cfg.run_name) == (9, "r", 7, None)
+    with pytest.raises(ConfigError, match="steps=0 must be at least 1"):
+        replace(cfg, steps=0)
+    with pytest.raises(ConfigError, match="unknown key 'stepz'.*did you mean 'steps'"):
+        replace(cfg, stepz=3)
+    rules = plain(cfg)["logical_axis_rules"]
+    assert type(rules) is list and all(type(r) is list and type(r[1]) is list for r in rules), rules
+    assert yaml.safe_load(yaml.safe_dump(plain(cfg))) == plain(load_config(["steps=7"])), "the run's config.yaml"

@@ -1,4 +1,4 @@
-"""Configuration: a YAML chain plus `key=value` overrides, loaded into a locked ConfigDict.
+"""Configuration: a YAML chain plus `key=value` overrides, loaded into a validated, frozen config.
 
 Order of precedence, lowest first (upstream MaxText's):
   1. configs/base.yml (every key, with its default);
@@ -202,8 +202,9 @@ def _upstream_default(key: str, defaults: dict[str, Any]) -> Any:
         return None
 
 
-def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """Loads `[config.yml] key=value ...` into a locked ConfigDict and validates it.
+def load_config(argv: Sequence[str] = ()) -> ml_collections.FrozenConfigDict:
+    """Loads `[config.yml] key=value ...`, validates it and returns it frozen: nothing changes a validated config
+    (replace gives a changed copy, validated again). Lists are tuples there; `plain` gives the values as loaded.
 
     Raises ConfigError for any user mistake. Has no side effects (no JAX, no files written).
     """
@@ -257,10 +258,28 @@ def load_config(argv: Sequence[str] = ()) -> ml_collections.ConfigDict:
         logging.warning("config: base_output_directory is empty, as in MaxText's base.yml; using ./maxtext_output as "
                         "MaxText does")
 
+    return _validated(values)
+
+
+def _validated(values: dict[str, Any]) -> ml_collections.FrozenConfigDict:
     cfg = ml_collections.ConfigDict(values, type_safe=False)
     validate(cfg)
-    cfg.lock()
-    return cfg
+    return ml_collections.FrozenConfigDict(cfg)
+
+
+def replace(cfg, **changes) -> ml_collections.FrozenConfigDict:
+    """A copy of a loaded config with `changes` (key=value, each parsed to its key's type), validated again."""
+    values = plain(cfg)
+    for key, value in changes.items():
+        if key not in SCHEMA:
+            raise ConfigError(f"unknown key {clip(repr(key))} (given to config.replace){nearest(key, SCHEMA)}")
+        values[key] = coerce(key, value, values[key], "given to config.replace")
+    return _validated(values)
+
+
+def plain(cfg) -> dict[str, Any]:
+    """A config's values as loaded (lists, not the frozen config's tuples): what YAML and JSON write."""
+    return cfg.as_configdict().to_dict() if isinstance(cfg, ml_collections.FrozenConfigDict) else cfg.to_dict()
 
 
 def _map_upstream_spellings(values: dict[str, Any], explicit_moe_impl: bool) -> None:

@@ -16,7 +16,7 @@ import tqdm
 
 from MaxText.config import storage
 from MaxText.config.errors import ConfigError
-from MaxText.config.load import global_batch_size
+from MaxText.config.load import global_batch_size, plain
 from MaxText.data import make_data, validate
 from MaxText.data.records import DataError
 from MaxText.layers.moe.te_runtime import check_available, moe_runtime
@@ -143,7 +143,7 @@ class StepLog:
     def __init__(self, cfg, outputs, num_devices: int, global_batch: int, start: int, checkpointer):
         self.cfg, self.outputs, self.num_devices, self.checkpointer = cfg, outputs, num_devices, checkpointer
         self.writer = metrics_lib.MetricsWriter(outputs.local, tensorboard=cfg.enable_tensorboard,
-                                                primary=outputs.primary, config=cfg.to_dict())
+                                                primary=outputs.primary, config=plain(cfg))
         self.peak = flops.peak_tflops(jax.devices()[0].device_kind)
         self.tokens_per_step = global_batch * cfg.max_target_length
         self.progress = tqdm.tqdm(total=cfg.steps, initial=start, disable=not outputs.primary, unit="step",
