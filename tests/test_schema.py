@@ -55,10 +55,12 @@ def test_each_default_is_of_its_keys_type_and_within_its_rules():
             if not spec.null:
                 wrong.append(f"{key}: default null, but the schema does not allow null")
         elif type(default) is not spec.type:
-            wrong.append(f"{key}: default {default!r} is a {type(default).__name__}, the schema says {spec.type.__name__}")
+            wrong.append(f"{key}: default {default!r} is a {type(default).__name__}, the schema says "
+                         f"{spec.type.__name__}")
         elif spec.error(default):
             wrong.append(f"{key}: default {default!r} {spec.error(default)}")
-        wrong += [f"{key}: choice {c!r} is not a {spec.type.__name__}" for c in spec.choices if type(c) is not spec.type]
+        wrong += [f"{key}: choice {c!r} is not a {spec.type.__name__}" for c in spec.choices
+                  if type(c) is not spec.type]
     assert not wrong, "\n".join(wrong)
 
 
