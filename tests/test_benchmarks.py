@@ -63,6 +63,41 @@ def test_gpu_check_refuses_a_machine_without_nvidia_gpu(capsys, tmp_path):
     assert result.returncode == 2 and result.stderr.startswith("error: no NVIDIA GPU"), result.stderr
 
 
+def test_gpu_check_names_what_is_missing_and_installs_nothing(tmp_path):
+    """On a GPU machine whose Python lacks the kit's packages, gpu_check.sh names them (requirements.txt's pins) and
+    how to bring them, with network or without, and never runs pip (the machine may have no network)."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    calls = tmp_path / "calls"
+    # A CUDA jax for the script's first question; then the real Python without its site-packages (-S): a
+    # Python that has nothing the kit imports. Anything else (pip) is recorded and fails.
+    (bin_dir / "python").write_text(f"""#!/bin/sh
+echo "$@" >> {calls}
+case "$1" in
+  -c) case "$2" in *default_backend*) exit 0;; *) exec {sys.executable} -S "$@";; esac;;
+  scripts/kit_missing.py) exec {sys.executable} -S "$@";;
+  *) exit 99;;
+esac
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", PYTHON=str(bin_dir / "python"))
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    pins = {line.split("#")[0].strip() for line in open("requirements.txt")}
+    for name in ("flax", "optax", "orbax-checkpoint", "ml-collections", "pytest"):
+        pin = next(p for p in pins if p.startswith(name + "=="))
+        assert pin in result.stderr, (pin, result.stderr)
+    assert "pip install --no-index --find-links wheels/" in result.stderr, result.stderr
+    assert "transformer-engine" not in result.stderr and "tensorflow" not in result.stderr, result.stderr
+    assert all(line.split()[0] in ("-c", "scripts/kit_missing.py") for line in calls.read_text().splitlines()), calls.read_text()
+
+
 def test_input_benchmark_reports_each_pipeline(tmp_path, capsys):
     """Every pipeline reads the generated corpus (TFDS, ArrayRecord by the converter, Parquet) in full rows, and
     resumes at the start and at the end of its epoch."""
