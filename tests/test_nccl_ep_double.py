@@ -278,3 +278,26 @@ def test_nccl_ep_moe_overflow_counts_dropped_rows(te_standin):
     assert float(overflow) == rows_dropped, f"overflow {float(overflow)} != {rows_dropped} rows dropped"
     y_ref, _ = _reference(x, w, experts, weights, kept=kept)
     _assert_close(y, y_ref, "output without the dropped slots")
+
+
+def test_a_step_beyond_the_bootstrap_is_refused_in_one_line(te_standin):
+    """NCCL EP's buffers are sized at bootstrap: a step with more tokens per rank, or other experts, than were
+    bootstrapped is refused in one line while tracing (as TE's moe() refuses it); one with fewer tokens runs with
+    the bootstrapped capacity and matches the reference."""
+    from MaxText.config.errors import ConfigError
+    from MaxText.config.load import replace
+
+    cfg = _config(*MESHES["expert8"])
+    kernels, step = _kernels_and_step(cfg, 128)  # bootstrapped for 128 tokens: 16 per rank
+    x, w = _params(256)
+    experts, weights = _routing_cases(256)["uniform"]
+    with pytest.raises(ConfigError, match="needs NCCL EP for 32 tokens per rank.*bootstrapped for 16,") as e:
+        _run(cfg, step, x, w, experts, weights)
+    assert "\n" not in str(e.value)
+    more_experts = replace(cfg, num_experts=16)
+    with pytest.raises(ConfigError, match="num_experts=16.*bootstrapped for 16, num_experts=8"):
+        _run(more_experts, _nccl_ep_step(kernels, more_experts, sharding.axis_rules(more_experts)), x[:128],
+             ExpertWeights(*(jnp.concatenate([a, a]) for a in w)), experts[:128], weights[:128])
+    y, overflow, _ = _run(cfg, step, x[:64], w, experts[:64], weights[:64])
+    assert float(overflow) == 0.0
+    _assert_close(y, _reference(x[:64], w, experts[:64], weights[:64])[0], "fewer tokens than bootstrapped")

@@ -195,16 +195,54 @@ def test_grouped_gemm_traces_forward_and_gradient(simulated_sm, sm, quantization
         assert "te_grouped_quantize_ffi_wrapper" in _te_primitives(jaxpr)
 
 
-def test_tensor_scaled_fp8_cannot_be_differentiated_by_te_on_blackwell(simulated_sm):
-    """Why check_quantization refuses fp8_current on SM 10: TE 2.20.2's grouped_dense keeps a transposed copy
-    of x for its backward, which TE's Blackwell tensor-scaling quantizers do not make (and forcing is_2x2x
-    gives a wrongly shaped weight gradient). When TE fixes this, this test fails: then lift the refusal."""
-    simulated_sm(100)
+def sm_answers() -> dict:
+    """What TE's Python decides from the compute capability: the quantize layout of every scaling mode and tensor
+    usage, whether each mode is supported, and the shapes (or the error) of fp8_current's grouped GEMM forward
+    and gradients. Also run in a fresh process by the test below."""
+    from transformer_engine.jax.quantize import ScalingMode, TensorUsage, helper
+
+    answers = {}
     gemm = te_kernels.kernels(tiny_config("moe_impl=te_dropless")).grouped_gemm
-    sizes = jnp.full((4,), 256, jnp.int32)
+    sizes = jnp.array([256, 0, 128, 384], jnp.int32)
     x, w = jnp.zeros((1024, 256), jnp.bfloat16), jnp.zeros((4, 256, 512), jnp.bfloat16)
-    with pytest.raises(ValueError, match="LHS_TRANS"):
-        jax.eval_shape(lambda x, w: gemm(x, w, sizes, "fp8_current"), x, w)
+    try:
+        shapes = jax.eval_shape(jax.value_and_grad(
+            lambda x, w: jnp.sum(gemm(x, w, sizes, "fp8_current").astype(jnp.float32)), argnums=(0, 1)), x, w)
+        answers["fp8_current value_and_grad"] = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), shapes))
+    except Exception as e:  # noqa: BLE001 - the answer is the error
+        answers["fp8_current value_and_grad"] = f"{type(e).__name__}: {e}"
+    # After the GEMM: TE's layout caches hold 4 entries each, so the SM 90 run leaves fp8_current's there last
+    # and a cache the switch missed is hit first (asked in the other order, eviction would hide it).
+    answers.update({mode.name: ([str(mode.get_quantize_layout(u)) for u in TensorUsage],
+                                bool(helper.is_scaling_mode_supported(mode)[0])) for mode in ScalingMode})
+    return answers
+
+
+def test_switching_sm_forgets_what_te_derived_from_the_old_one(simulated_sm):
+    """After SM 90 work, set_sm(100) gives exactly a fresh SM 100 process's answers: no cache of TE's keeps the old
+    SM (get_quantize_layout's lru_cache once made fp8_current look undifferentiable on Blackwell)."""
+    import json
+    import subprocess
+    import sys
+
+    at_90 = sm_answers()
+    simulated_sm(100)
+    switched = sm_answers()
+    code = ("import json; from MaxText.planning import te_trace; te_trace.install(100); "
+            "from tests.test_te_trace import sm_answers; print(json.dumps(sm_answers()))")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(json.dumps(switched)) == json.loads(fresh.stdout.splitlines()[-1])
+    assert switched != at_90  # the comparison can see a stale answer: some do differ between the two SMs
+    simulated_sm(90)
+    assert sm_answers() == at_90
+
+
+def test_tensor_scaled_fp8_is_differentiated_by_te_on_blackwell(simulated_sm):
+    """TE 2.20.2's grouped_dense takes tensor-scaled FP8 forward and backward at SM 100, with the weight gradient
+    shaped as the weights (notes/te.md §14.1). Fails if TE's Python stops supporting it."""
+    simulated_sm(100)
+    assert sm_answers()["fp8_current value_and_grad"] == \
+        "(((), 'float32'), (((1024, 256), 'bfloat16'), ((4, 256, 512), 'bfloat16')))"
 
 
 # ------------------------------------------------------------------------------------------- layer and train step
@@ -260,6 +298,22 @@ def test_moe_layer_and_train_step_trace_and_partition_with_te_kernels(te_standin
         te_trace.register_cpu_lowerings()
         with pytest.raises(Exception, match="No FFI handler registered for te_"):
             traced.lower().compile()
+
+
+def test_a_step_larger_than_the_ep_bootstrap_is_refused_before_te_traces_it(te_standin):
+    """TE's own EpConfig (te_trace.bootstrap_ep records it as ep_bootstrap does): a step with twice the tokens the
+    run bootstrapped NCCL EP for is refused in one line while tracing, before any TE op is traced."""
+    cfg = _config("expert8")
+    mesh = _mesh(cfg, "expert8")
+    from transformer_engine.jax.cpp_extensions import ep as tex_ep
+
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
+        te_trace.bootstrap_ep(cfg, mesh, 4)  # 4 sequences: 4 x 16 tokens / 8 ranks = 8 per rank
+        try:
+            with pytest.raises(ConfigError, match="needs NCCL EP for 16 tokens per rank.*bootstrapped for 8,"):
+                _moe_layer_jaxpr(cfg, mesh)  # 8 sequences
+        finally:
+            tex_ep.reset_ep_config()  # process-wide: the next test bootstraps its own
 
 
 def _assert_dispatch_inputs_pinned(jaxpr, batch_axes):

@@ -187,14 +187,34 @@ def _load_standin(framework: str) -> None:
 
 
 def set_sm(sm: int) -> None:
-    """Switches the simulated compute capability, clearing TE's caches of it."""
+    """Switches the simulated compute capability and forgets every answer TE derived from the old one.
+
+    TE caches SM-dependent answers in more places than `device_utils`: `get_quantize_layout` of each scaling
+    mode (an lru_cache that branches on is_fp8_gemm_with_all_layouts_supported), helper's scaling-mode support
+    table, and others. Rather than a list that goes stale with TE, every functools cache of every loaded TE
+    module and of the classes they define is cleared, and helper's table reset."""
     if sm not in SUPPORTED_SM:
         raise ValueError(f"te_trace: sm must be one of {SUPPORTED_SM}, got {sm}")
     installed().sm = sm
-    from transformer_engine.jax.quantize import device_utils  # noqa: PLC0415
+    for cache in te_caches():
+        cache.cache_clear()
+    from transformer_engine.jax.quantize import helper  # noqa: PLC0415
 
-    device_utils.get_device_compute_capability.cache_clear()
-    device_utils.is_fp8_gemm_with_all_layouts_supported.cache_clear()
+    helper._is_scaling_mode_supported = helper._reason_for_no_scaling_mode = None  # noqa: SLF001 - TE's own memo
+
+
+def te_caches() -> list:
+    """Every functools cache (lru_cache, cache; on functions and on class attributes) of the loaded TE modules."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformer_engine.jax") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) and value.__module__ == name else ()
+            for candidate in (value, *members):
+                if callable(getattr(candidate, "cache_clear", None)):
+                    found[id(candidate)] = candidate
+    return list(found.values())
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.dispatch import ALIGN
-from MaxText.layers.moe.te_runtime import ep_recv_capacity, tokens_per_ep_rank
+from MaxText.layers.moe.te_runtime import bootstrapped_capacity, tokens_per_ep_rank
 
 
 class NcclHandle(NamedTuple):
@@ -43,7 +43,9 @@ class NcclEp(NamedTuple):
     def dispatch(self, x_TD, routing):
         mesh, layout = jax.sharding.get_abstract_mesh(), self.layout
         tokens_per_rank = tokens_per_ep_rank({axis: mesh.shape[axis] for axis in layout.batch}, x_TD.shape[0])
-        recv_cap = ep_recv_capacity(self.te, self.cfg, tokens_per_rank, layout.num_ep)
+        # The capacity NCCL EP was bootstrapped with (te_runtime.ep_recv_capacity of the run's batch), never one
+        # recomputed from this call's tokens: its buffers were sized then.
+        recv_cap = bootstrapped_capacity(self.te, self.cfg, tokens_per_rank, layout.num_ep, x_TD.shape[-1])
         # TE's ep_prepare/ep_dispatch partitioning folds only `expert` into a replicated leading dim: a token
         # array left to the partitioner would send T/ep rows per rank and overrun the send buffer sized at
         # bootstrap for T/ranks. Pin all three to the batch axes, `expert` innermost, as TE's moe.py does.

@@ -39,6 +39,7 @@ def import_te():
         import transformer_engine.jax  # noqa: F401  (raises OSError without a driver)
         from transformer_engine.common import recipe
         from transformer_engine.jax import dense, ep, moe, router
+        from transformer_engine.jax.cpp_extensions.ep import get_ep_config
         from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode, noop_quantizer_set
         from transformer_engine.jax.sharding import MeshResource, global_shard_guard
     except Exception as e:  # noqa: BLE001 - OSError, ImportError, RuntimeError all mean "not usable"
@@ -46,7 +47,7 @@ def import_te():
                             f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
     return dict(recipe=recipe, dense=dense, ep=ep, moe=moe, router=router, QuantizerFactory=QuantizerFactory,
                 ScalingMode=ScalingMode, noop_quantizer_set=noop_quantizer_set, MeshResource=MeshResource,
-                global_shard_guard=global_shard_guard)
+                global_shard_guard=global_shard_guard, ep_config=get_ep_config)
 
 
 def _compute_capability() -> float | None:
@@ -109,6 +110,26 @@ def mesh_context(cfg):
 def tokens_per_ep_rank(mesh_shape, tokens: int) -> int:
     """Tokens one NCCL EP rank sends of a step's `tokens`: the batch splits over every mesh axis but `tensor`."""
     return tokens // math.prod(size for axis, size in mesh_shape.items() if axis != "tensor")
+
+
+def bootstrapped_capacity(te, cfg, tokens_per_rank: int, ep_size: int, hidden: int) -> int:
+    """The receive capacity a dispatch must use: NCCL EP's, as bootstrapped. A step that needs more than the
+    bootstrap provides (more tokens per rank; other experts, hidden size or EP group) would overrun NCCL EP's
+    buffers on a GPU: refused in one line while tracing, before any TE op, as TE's own moe() refuses it."""
+    try:
+        boot = te["ep_config"]()
+    except RuntimeError:
+        raise ConfigError("moe_impl=te_dropless with expert parallelism: NCCL EP was not bootstrapped; build and run "
+                          "the step inside te_runtime.moe_runtime(cfg, mesh, global_batch)") from None
+    need = dict(num_experts=cfg.num_experts, hidden_dim=hidden, ep_size=ep_size)
+    have = dict(num_experts=boot.num_experts, hidden_dim=boot.hidden_dim, ep_size=boot.ep_size)
+    if need != have or tokens_per_rank > boot.max_tokens_per_rank:
+        text = ", ".join(f"{k}={v}" for k, v in need.items())
+        was = ", ".join(f"{k}={v}" for k, v in have.items())
+        raise ConfigError(f"moe_impl=te_dropless: this step needs NCCL EP for {tokens_per_rank} tokens per rank, "
+                          f"{text}, but it was bootstrapped for {boot.max_tokens_per_rank}, {was}; bootstrap with this "
+                          "step's global batch and config (te_runtime.moe_runtime) or use te_kernels=reference")
+    return boot.recv_capacity_per_rank
 
 
 def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
