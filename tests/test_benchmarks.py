@@ -95,7 +95,8 @@ esac
         assert pin in result.stderr, (pin, result.stderr)
     assert "pip install --no-index --find-links wheels/" in result.stderr, result.stderr
     assert "transformer-engine" not in result.stderr and "tensorflow" not in result.stderr, result.stderr
-    assert all(line.split()[0] in ("-c", "scripts/kit_missing.py") for line in calls.read_text().splitlines()), calls.read_text()
+    ran = calls.read_text().splitlines()
+    assert all(line.split()[0] in ("-c", "scripts/kit_missing.py") for line in ran), ran
 
 
 def test_input_benchmark_reports_each_pipeline(tmp_path, capsys):

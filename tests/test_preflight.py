@@ -52,7 +52,8 @@ def test_every_gpu_recipe_passes(recipe):
     ("pool over host memory", ["host_memory_limit_gb=250"], "host_memory", "lower host_memory_limit_gb"),
     ("renamed XLA flag", ["xla_flags=--xla_gpu_enable_nccl_symmetric_buffers=true"], "xla_flags",
      "--xla_gpu_enable_nccl_symmetric_buffers"),
-    ("fp8_current on Blackwell", ["te_gmm_quantization=fp8_current"], "quantization", "use te_gmm_quantization=mxfp8"),
+    ("mxfp8 on Hopper", ["gpu_profile=h100-sxm", "te_gmm_quantization=mxfp8"], "quantization",
+     "te_gmm_quantization=mxfp8 needs a Blackwell GPU"),
     ("partial hosts", ["num_devices=126"], "devices", "use a multiple of 4"),
     ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
 ])

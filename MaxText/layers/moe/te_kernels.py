@@ -97,8 +97,7 @@ def _te_quantizer_set(te, quantization: str, num_groups: int):
     mode = {"mxfp8": te["ScalingMode"].MXFP8_1D_SCALING,
             "fp8_current": te["ScalingMode"].CURRENT_TENSOR_SCALING}[quantization]
     # is_2x2x left to TE: a transposed second copy only where the GEMM needs one (MXFP8; tensor-scaled FP8 on
-    # Hopper, whose FP8 GEMM takes only the NT layout). On Blackwell TE 2.20.2's grouped_dense cannot
-    # differentiate tensor-scaled FP8 either way (check_available refuses fp8_current there).
+    # Hopper, whose FP8 GEMM takes only the NT layout; on Blackwell TE quantizes tensor-scaled FP8 rowwise only).
     return te["QuantizerFactory"].create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e4m3fn,
                                              bwd_dtype=jnp.float8_e4m3fn if quantization == "mxfp8"
                                              else jnp.float8_e5m2, n_groups=num_groups)
@@ -109,7 +108,16 @@ def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
     # slack, zeroed on the way in and out so that, as in the reference, those rows read 0 and get no gradient.
     rows = x_RD.shape[0]
     valid_R1 = (jnp.arange(rows) < jnp.sum(group_sizes_E))[:, None]
-    sizes = group_sizes_E.at[-1].add(rows - jnp.sum(group_sizes_E))
+    sizes_E = group_sizes_E
+    if quantization == "fp8_current":
+        # TE 2.20's V1 grouped GEMM (gemm.cpp GroupedGemmFFI) moves its tensor-scale pointers only past
+        # non-empty GEMMs while the weights carry one scale per expert: after an empty expert every later
+        # expert's GEMM reads an earlier expert's weight scale (notes/te.md §15). An empty group holds no
+        # rows, so putting the empty experts last (weights gathered to match) moves no token row and leaves
+        # every non-empty expert's scale where the GEMM reads it.
+        order_E = jnp.argsort(group_sizes_E == 0, stable=True)
+        sizes_E, w_EDF = group_sizes_E[order_E], w_EDF[order_E]
+    sizes = sizes_E.at[-1].add(rows - jnp.sum(sizes_E))
     y_RF = te["dense"].grouped_dense(jnp.where(valid_R1, x_RD, jnp.zeros((), x_RD.dtype)), w_EDF,
                                      sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
                                      quantizer_set=_te_quantizer_set(te, quantization, w_EDF.shape[0]))

@@ -1,0 +1,363 @@
+"""Reference kernels behind Transformer Engine's primitives: TE's own Python executes on CPU.
+
+te_trace puts a stand-in in place of TE's compiled extension, so TE's Python traces but stops at its first
+FFI call. `install()` then registers, for the CPU platform, a pure-JAX lowering of TE's inner primitives:
+everything TE does in Python around them (custom VJPs, quantizer sets, scale bookkeeping, partitioning
+rules, group-size handling) runs for real, and each kernel computes what TE's C++ computes, read from its
+sources (TE main @ d0067d0, transformer_engine/jax/csrc/extensions: gemm.cpp GroupedGemmFFI,
+quantization.cpp GroupedQuantizeFFI). Each reference returns exactly the avals TE's abstract eval
+promises (checked), fills what the kernel leaves unwritten with NaN, and turns a condition on which the
+kernel raises (sum(group_sizes) != rows on the V1 path) into an all-NaN result, so no misuse passes
+unseen in the numbers.
+
+Primitives without a reference keep TE's own lowering and stop at "No FFI handler registered", as under
+te_trace alone. Like te_trace, for tests and the preflight only, never for a training run.
+
+Kernels covered (TE primitive -> reference):
+    GroupedGemmPrimitive (V1 nvte_multi_tensor_gemm, V2 nvte_grouped_gemm): no scaling and tensor scaling
+        (delayed, current); MXFP8 not yet (raises at trace time)
+    GroupedQuantizePrimitive (V1): tensor scaling, rowwise / colwise / both
+    GroupedGemmCopySizesPrimitive: the group sizes themselves
+Layout facts the references follow (C++ only, not readable from TE's Python):
+    * tensor-scaled colwise data is each group's [rows_g, cols] block transposed, the blocks back to back;
+    * tensor-scaled scale_inv (and amax) hold one entry per NON-EMPTY group, in order: the quantizer does
+      not advance its scale_inv pointer for an empty group, and the V1 GEMM advances both operands' scale
+      pointers only for a non-empty GEMM. The weights' scale_inv (quantized per expert, no empty group)
+      is read with that same pointer, so after an empty group the V1 GEMM reads a previous expert's
+      weight scale (gemm.cpp: "If is_empty_gemm, scale_inv does not have the corresponding value, do not
+      move the pointers"). The reference does what the C++ does; the tests show what that costs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from MaxText.planning import te_trace
+
+REFERENCES = {}  # TE primitive class name -> reference(*operands, **params) -> outputs (TE's avals)
+
+
+def reference(name: str):
+    def register(fn):
+        REFERENCES[name] = fn
+        return fn
+    return register
+
+
+def install(overrides: dict | None = None) -> None:
+    """Registers every reference (or `overrides[name]` in its place: the mutation tests) as the CPU lowering
+    of its TE primitive; the rest keep TE's lowering. te_trace.install must have run. Process-wide, like
+    JAX's lowering table; `uninstall` goes back to TE's lowerings."""
+    from jax.interpreters import mlir  # noqa: PLC0415
+    from transformer_engine.jax.cpp_extensions import base  # noqa: PLC0415
+
+    if te_trace.installed() is None:
+        raise RuntimeError("te_reference: call te_trace.install(sm) first (TE's Python over the stand-in)")
+    chosen = {**REFERENCES, **(overrides or {})}
+    for name, cls in base._primitive_registry.items():  # noqa: SLF001 - TE keeps no public list
+        if cls.inner_primitive is None:
+            continue
+        fn = chosen.get(name)
+        rule = cls.lowering if fn is None else mlir.lower_fun(_checked(cls, fn), cls.multiple_results)
+        mlir.register_lowering(cls.inner_primitive, rule, platform="cpu")
+
+
+def uninstall() -> None:
+    """TE's own lowerings on CPU again (compiling stops at the first FFI call)."""
+    te_trace.register_cpu_lowerings()
+
+
+def _checked(cls, fn):
+    """fn, held to the avals of cls.abstract for the same operands and parameters. A reference returns the
+    outputs that carry values; the ones after them are scratch workspaces the kernel uses, given as zeros."""
+
+    def lowered(*args, **params):
+        want = cls.abstract(*(jax.typeof(a) for a in args), **params)
+        wants = tuple(want) if cls.multiple_results else (want,)
+        got = fn(*args, **params)
+        outs = tuple(got) if cls.multiple_results else (got,)
+        outs += tuple(jnp.zeros(w.shape, w.dtype) for w in wants[len(outs):])
+        for i, (o, w) in enumerate(zip(outs, wants, strict=True)):
+            if (tuple(o.shape), o.dtype) != (tuple(w.shape), w.dtype):
+                raise AssertionError(f"te_reference {cls.__name__} output {i}: {o.shape} {o.dtype}, TE's abstract "
+                                     f"eval says {w.shape} {w.dtype}")
+        return outs if cls.multiple_results else outs[0]
+
+    return functools.wraps(fn)(lowered)
+
+
+def _sm() -> int:
+    return te_trace.installed().sm
+
+
+def _nan(shape, dtype):
+    """What an unwritten buffer holds, as far as a test can tell: NaN (0 for types without one)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.full(shape, jnp.nan, dtype)
+    return jnp.zeros(shape, dtype)
+
+
+def _group_of_rows(group_sizes, rows: int):
+    """Group index of each of `rows` rows laid out group after group; rows past the groups get G."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _compacted_index(group_sizes):
+    """For each group, its index among the non-empty groups (where TE's tensor scales for it are)."""
+    nonempty = (group_sizes > 0).astype(jnp.int32)
+    return jnp.cumsum(nonempty) - nonempty
+
+
+def _block_transposed_index(group_sizes, rows: int, cols: int):
+    """[rows, cols] flat positions of a [rows, cols] matrix (groups of rows one after another) when TE stores
+    each group's rows as one [cols, rows_g] block, the blocks back to back (rows past the groups as one more)."""
+    sizes = group_sizes.astype(jnp.int32)
+    g = _group_of_rows(sizes, rows)
+    sizes_t = jnp.concatenate([sizes, jnp.array([rows], jnp.int32) - jnp.sum(sizes, keepdims=True)])
+    starts = jnp.cumsum(sizes_t) - sizes_t
+    r = jnp.arange(rows)[:, None]
+    c = jnp.arange(cols)[None, :]
+    return starts[g][:, None] * cols + c * sizes_t[g][:, None] + (r - starts[g][:, None])
+
+
+def _block_transposed_rows(flat, group_sizes, rows: int, cols: int):
+    """The [rows, cols] matrix stored as per-group transposed blocks (_block_transposed_index) in `flat`."""
+    return flat.reshape(-1)[_block_transposed_index(group_sizes, rows, cols)]
+
+
+def _to_block_transposed(matrix, group_sizes):
+    """A [rows, cols] matrix as per-group transposed blocks, flat (the inverse of _block_transposed_rows)."""
+    rows, cols = matrix.shape
+    index = _block_transposed_index(group_sizes, rows, cols)
+    return jnp.zeros((rows * cols,), matrix.dtype).at[index.reshape(-1)].set(matrix.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------- grouped GEMM
+
+
+def _scaling(scaling_mode) -> str:
+    from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
+
+    mode = ScalingMode(scaling_mode)
+    if mode == ScalingMode.NO_SCALING:
+        return "none"
+    if mode.is_tensor_scaling():
+        return "tensor"
+    raise NotImplementedError(f"te_reference: no reference grouped GEMM for {mode} yet")
+
+
+@reference("GroupedGemmCopySizesPrimitive")
+def copy_sizes(group_sizes, *, num_gemms):
+    del num_gemms
+    return group_sizes
+
+
+@reference("GroupedGemmPrimitive")
+def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_first, rhs_last, out_first, out_last,
+                 *extra, lhs_is_trans, rhs_is_trans, scaling_mode, out_dtype, has_bias, use_async_d2h_group_sizes,
+                 use_v2_ffi, lhs_axis_boundary, rhs_axis_boundary, out_shape, lhs_left_size, lhs_right_size,
+                 rhs_left_size, rhs_right_size):
+    """GroupedGemmFFI (V1) and the V2 graph-safe GEMM: out = op(lhs_g) @ op(rhs_g) per group, in float32.
+
+    V1 (gemm.cpp GroupedGemmFFI): k = lhs_is_trans ? lhs_left : lhs_right. Ragged rhs (the weight gradient):
+    group g's lhs block is [k_g, m] (lhs_is_trans) or [m, k_g], its rhs block [n, k_g] (rhs_is_trans) or
+    [k_g, n], each stored contiguously, out[g] = [m, n]. Otherwise lhs is [m_g, k] rows, rhs [G, n, k] or
+    [G, k, n], out [M, n]. sum(group sizes) must be the ragged extent (else it raises: all-NaN here), an
+    empty group's output is zeroed, FP8 on SM < 100 must be NT. Tensor scales: see the module doc.
+    V2 (nvte_grouped_gemm): the same products; the groups may stop short of the buffer (rows past them are
+    not written: NaN), alpha scales each group, scales by group index (MXFP8 only, not covered).
+    """
+    del bias, out_first, out_last, lhs_axis_boundary, rhs_axis_boundary, use_async_d2h_group_sizes
+    if has_bias:
+        raise NotImplementedError("te_reference: grouped GEMM bias")
+    scaling = _scaling(scaling_mode)
+    fp8 = jnp.dtype(lhs.dtype).itemsize == 1
+    if not use_v2_ffi and fp8 and _sm() < 100 and not (not lhs_is_trans and rhs_is_trans):
+        raise ValueError("te_reference: for SM90 and FP8 input only NT GEMM is supported (TE's GroupedGemmFFI "
+                         f"check), got lhs_is_trans={lhs_is_trans}, rhs_is_trans={rhs_is_trans}")
+    rhs_ragged = rhs_first.size > 0 or rhs_last.size > 0
+    sizes = next(s for s in (lhs_first, lhs_last, rhs_first, rhs_last) if s.size > 0).astype(jnp.int32)
+    num_gemms = sizes.shape[0]
+    k = lhs_left_size if lhs_is_trans else lhs_right_size
+    m = lhs_right_size if lhs_is_trans else lhs_left_size
+    hi = jax.lax.Precision.HIGHEST
+    if rhs_ragged:
+        n = rhs_left_size if rhs_is_trans else rhs_right_size
+        # Logical [k, m] and [k, n] matrices: the ragged k rows group after group.
+        a = (lhs.reshape(k, m) if lhs_is_trans else _block_transposed_rows(lhs, sizes, k, m)).astype(jnp.float32)
+        b = (_block_transposed_rows(rhs, sizes, k, n) if rhs_is_trans else rhs.reshape(k, n)).astype(jnp.float32)
+        g_of_row = _group_of_rows(sizes, k)
+        if scaling == "tensor":  # both operands quantized with these group sizes: compacted scales on both
+            j = _compacted_index(sizes)[jnp.minimum(g_of_row, num_gemms - 1)]
+            a, b = a * lhs_sinv[j][:, None], b * rhs_sinv[j][:, None]
+        onehot = (g_of_row[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
+        out = jnp.einsum("km,kn,kg->gmn", a, b, onehot, precision=hi)
+        ragged_extent = k
+    else:
+        n = rhs_left_size // num_gemms if rhs_is_trans else rhs_right_size
+        if lhs_is_trans:
+            raise NotImplementedError("te_reference: grouped GEMM with a transposed ragged-row lhs")
+        a = lhs.reshape(m, k).astype(jnp.float32)
+        w = rhs.reshape(num_gemms, n, k).transpose(0, 2, 1) if rhs_is_trans else rhs.reshape(num_gemms, k, n)
+        w = w.astype(jnp.float32)
+        g_of_row = _group_of_rows(sizes, m)
+        gc = jnp.minimum(g_of_row, num_gemms - 1)
+        if scaling == "tensor":
+            # lhs: quantized with these group sizes (compacted). rhs: quantized per expert (all present),
+            # read with the pointer that the V1 loop advances only past non-empty GEMMs.
+            index = _compacted_index(sizes)
+            a = a * lhs_sinv[index[gc]][:, None]
+            w = w * rhs_sinv[index][:, None, None]
+        per_group = jnp.einsum("mk,gkn->mgn", a, w, precision=hi)
+        out = jnp.take_along_axis(per_group, gc[:, None, None], axis=1)[:, 0, :]
+        out = jnp.where((g_of_row < num_gemms)[:, None], out, jnp.nan)  # rows past the groups: not written
+        ragged_extent = m
+    if use_v2_ffi:
+        alpha = extra[0].astype(jnp.float32)
+        alpha_g = jnp.broadcast_to(alpha, (num_gemms,))
+        out = out * (alpha_g[:, None, None] if rhs_ragged else alpha_g[gc][:, None])
+    else:
+        out = jnp.where(jnp.sum(sizes) == ragged_extent, out, jnp.nan)  # V1 raises on this
+    return (out.astype(out_dtype).reshape(out_shape),)  # the workspaces: _checked
+
+
+# ------------------------------------------------------------------------------------------- grouped quantize
+
+
+@reference("GroupedQuantizePrimitive")
+def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout, flatten_axis, scale_dtype):
+    """GroupedQuantizeFFI (V1), tensor scaling: group g's rows (group_sizes[g] x the non-group dims before
+    flatten_axis) cast as x * scale[g] to the FP8 type, saturating; rowwise data in x's order, colwise data
+    each group's block transposed; scale_inv = 1 / scale and amax = max|x| of each non-empty group, compacted
+    (module doc), the rest unwritten. The colwise scale_inv is not written (TE's Python reads the rowwise
+    one for tensor scaling). sum(group_sizes) must be the rows or x's first dim (else it raises: all NaN)."""
+    from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
+
+    if not ScalingMode(scaling_mode).is_tensor_scaling():
+        raise NotImplementedError(f"te_reference: no reference grouped quantize for {ScalingMode(scaling_mode)} yet")
+    eff = flatten_axis if flatten_axis >= 0 else flatten_axis + x.ndim
+    rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
+    unit = int(np.prod(x.shape[1:eff])) if eff > 1 else 1
+    sizes = group_sizes.astype(jnp.int32)
+    row_sizes = sizes * unit
+    num_groups = sizes.shape[0]
+    g = jnp.minimum(_group_of_rows(row_sizes, rows), num_groups - 1)
+    x2 = x.reshape(rows, cols).astype(jnp.float32)
+    fp8_max = float(jnp.finfo(out_dtype).max)
+    q = jnp.clip(x2 * scale[g][:, None], -fp8_max, fp8_max).astype(out_dtype)
+    ok = (jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])
+    q = jnp.where(ok, q, jnp.nan).astype(out_dtype)
+    nonempty = sizes > 0
+    slot = jnp.where(nonempty, _compacted_index(sizes), num_groups)  # empty groups write nothing
+    scale_inv = _nan((num_groups,), jnp.float32).at[slot].set(1.0 / scale, mode="drop")
+    group_amax = jax.ops.segment_max(jnp.max(jnp.abs(x2), axis=1), g, num_segments=num_groups)
+    amax = _nan((num_groups,), jnp.float32).at[slot].set(group_amax, mode="drop")
+    rowwise = q.reshape(-1) if q_layout.has_rowwise else _nan((1,), out_dtype)
+    colwise = _to_block_transposed(q, row_sizes) if q_layout.has_colwise else _nan((1,), out_dtype)
+    row_sinv = scale_inv.astype(scale_dtype) if q_layout.has_rowwise else _nan((1,), scale_dtype)
+    col_sinv = _nan((num_groups,), scale_dtype) if q_layout.has_colwise else _nan((1,), scale_dtype)
+    return rowwise, colwise, row_sinv, col_sinv, amax  # the workspace: _checked
+
+
+# ------------------------------------------------------------------------------------------- fused router
+
+SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2  # TE's score_function codes (JAXX_Score_Function)
+EPSILON = 1e-20  # fused_router/utils.h
+
+
+def _topk_mask(scores, k: int):
+    """Boolean [..., E] of the k largest scores of each row (the lower index first on a tie, as a stable sort)."""
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    return jnp.zeros(scores.shape, bool).at[(*jnp.indices(order.shape)[:-1], order)].set(True)
+
+
+def _unpack(routing_map, num_experts: int, routing_map_format: int):
+    if routing_map.dtype == jnp.bool_:
+        return routing_map
+    del routing_map_format  # BITMAP_U8: experts packed LSB-first, 8 per byte
+    bits = (routing_map[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    return bits.reshape(*routing_map.shape[:-1], -1)[..., :num_experts].astype(bool)
+
+
+@reference("FusedTopkWithScoreFunctionFwdPrimitive")
+def router_forward(logits, expert_bias, *, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                   score_function, compute_aux_scores, routing_map_format):
+    """fused_topk_with_score_function_forward (fused_router/fused_topk_with_score_function.cu), per token:
+    scores = softmax(logits) (pre-softmax), logits (post-softmax), sigmoid or sqrt(softplus); the bias (sigmoid,
+    sqrtsoftplus) added for the choice only; with groups, each group scored by the sum of its top k/group_topk
+    and the top group_topk groups kept; the top k chosen; post-softmax takes the softmax over the k chosen
+    logits; sigmoid / sqrtsoftplus weights are divided by their sum (+1e-20) when k > 1; probs = scaling_factor
+    x weight at the chosen experts, 0 elsewhere. intermediate: the softmax (pre: over all experts; post: over the
+    chosen, -inf elsewhere), the sigmoid, or the logits (sqrtsoftplus)."""
+    if compute_aux_scores:
+        raise NotImplementedError("te_reference: the router's aux-loss scores")
+    x = logits.astype(jnp.float32)
+    e = x.shape[-1]
+    if score_function == SOFTMAX:
+        scores = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
+    elif score_function == SIGMOID:
+        scores = jax.nn.sigmoid(x)
+    else:
+        scores = jnp.sqrt(jax.nn.softplus(x))
+    biased = scores
+    if expert_bias.size == e and score_function != SOFTMAX:
+        biased = scores + expert_bias.astype(jnp.float32)
+    if group_topk > 0:
+        per_group = biased.reshape(*x.shape[:-1], num_groups, e // num_groups)
+        group_score = jnp.sum(jax.lax.top_k(per_group, topk // group_topk)[0], axis=-1)
+        keep = jnp.repeat(_topk_mask(group_score, group_topk), e // num_groups, axis=-1)
+        chosen = _topk_mask(jnp.where(keep, biased, -jnp.inf), topk)
+    else:
+        chosen = _topk_mask(biased, topk)
+    if score_function == SOFTMAX and not use_pre_softmax:
+        weights = jax.nn.softmax(jnp.where(chosen, x, -jnp.inf), axis=-1)
+        intermediate = jnp.where(chosen, weights, -jnp.inf)
+    else:
+        weights = scores
+        intermediate = x if score_function == SQRTSOFTPLUS else scores
+    weights = jnp.where(chosen, weights, 0.0)
+    if score_function != SOFTMAX and topk > 1:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + EPSILON)
+    probs = (scaling_factor * weights).astype(logits.dtype)
+    if int(routing_map_format) == 1:  # BITMAP_U8
+        padded = jnp.pad(chosen, [(0, 0)] * (chosen.ndim - 1) + [(0, -e % 8)])
+        packed = padded.reshape(*chosen.shape[:-1], -1, 8).astype(jnp.uint8) << jnp.arange(8, dtype=jnp.uint8)
+        routing_map = jnp.sum(packed, axis=-1, dtype=jnp.uint8)
+    else:
+        routing_map = chosen
+    return probs, routing_map, intermediate.astype(jnp.float32)
+
+
+@reference("FusedTopkWithScoreFunctionBwdPrimitive")
+def router_backward(routing_map, intermediate, grad_probs, *, topk, use_pre_softmax, scaling_factor,
+                    score_function, compute_aux_scores, routing_map_format):
+    """fused_topk_with_score_function_backward: the gradient of router_forward's probs with the choice held,
+    from its intermediate: through scaling_factor, the k > 1 normalisation (sigmoid, sqrtsoftplus), the softmax
+    (post: over the chosen; pre: over all, the unchosen receiving no gradient) and the score function."""
+    if compute_aux_scores:
+        raise NotImplementedError("te_reference: the router's aux-loss scores")
+    act = intermediate.astype(jnp.float32)
+    chosen = _unpack(routing_map, act.shape[-1], routing_map_format)
+    g = grad_probs.astype(jnp.float32) * scaling_factor
+    if score_function == SOFTMAX:
+        g = jnp.where(chosen, g, 0.0)
+        y = jnp.where(chosen, act, 0.0) if not use_pre_softmax else act
+        grad = y * (g - jnp.sum(g * y, axis=-1, keepdims=True))
+        grad = jnp.where(chosen, grad, 0.0) if not use_pre_softmax else grad
+    else:
+        def weights(v):
+            w = jnp.where(chosen, v, 0.0)
+            return w / (jnp.sum(w, axis=-1, keepdims=True) + EPSILON) if topk > 1 else w
+
+        if score_function == SIGMOID:
+            _, vjp = jax.vjp(weights, act)
+            grad = vjp(g)[0] * act * (1.0 - act)
+        else:
+            _, vjp = jax.vjp(lambda x: weights(jnp.sqrt(jax.nn.softplus(x))), act)
+            grad = vjp(g)[0]
+    return grad.astype(grad_probs.dtype)

@@ -1,0 +1,306 @@
+"""Transformer Engine's own Python executing on CPU (marker `te_trace`): TE's router, grouped quantize and grouped
+GEMM run through TE's custom VJPs, quantizer sets and group-size handling, with MaxText/planning/te_reference.py's
+kernels behind TE's primitives; their numbers are checked against the float32/float64 references.
+
+The checks are the GPU tests' own (tests/test_te_dropless.py, `gpu`): the same inputs and tolerances, so
+a CPU pass here and a GPU pass there prove the same statement of TE's kernels and of the references. Every
+reference is also broken on purpose once (test_a_broken_reference_fails_its_check) to show the checks see it.
+NCCL EP has no primitive-level reference yet: on the expert-parallel meshes the layer runs TE's router and
+grouped GEMM for real and NCCL EP's ep_dispatch / ep_combine through the function-level double
+(tests/nccl_ep_double.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.layers.moe import dropless, te_kernels
+from MaxText.layers.moe.experts import ExpertWeights
+from MaxText.planning import te_reference, te_trace
+from tests import test_te_dropless as gpu_tests
+from tests.tiny import tiny_config
+
+pytestmark = pytest.mark.te_trace
+
+
+@pytest.fixture(scope="module")
+def on_cpu(te_standin):
+    """TE's Python over the stand-in, its primitives lowered to the references; TE's own lowerings after."""
+    te_reference.install()
+    yield te_trace.set_sm
+    te_trace.set_sm(90)
+    te_reference.uninstall()
+
+
+@pytest.fixture
+def at_sm(on_cpu):
+    yield on_cpu
+    on_cpu(90)
+
+
+def _te_gemm():
+    return te_kernels.kernels(tiny_config("moe_impl=te_dropless")).grouped_gemm
+
+
+# ------------------------------------------------------------------------------------------- grouped GEMM
+
+# (SM, the GPU test's case): bf16 takes TE's V2 GEMM on both SMs, fp32 and fp8_current its V1 GEMM, each
+# with its grouped quantize (notes/te.md §13.3). MXFP8 has no reference yet.
+GEMMS = [(90, "bf16"), (90, "fp32 (TF32)"), (90, "fp8_current"), (100, "bf16"), (100, "fp8_current")]
+
+
+@pytest.mark.parametrize("sm,case", GEMMS)
+def test_te_grouped_gemm_runs_on_cpu(at_sm, sm, case):
+    """te_dropless's call site of TE's grouped_dense, forward and backward, two empty experts and a padded tail,
+    at the GPU test's tolerances (tests/test_te_dropless.py GEMM_CASES)."""
+    at_sm(sm)
+    gpu_tests.check_grouped_gemm(_te_gemm(), case, f"TE grouped GEMM on CPU, SM {sm}, {case}")
+
+
+@pytest.mark.parametrize("sm", [90, 100])
+def test_te_tensor_scaled_gemm_misreads_scales_after_an_empty_expert(at_sm, sm):
+    """TE 2.20's V1 grouped GEMM steps its tensor-scale pointers only past non-empty GEMMs (gemm.cpp), while the
+    weights have a scale for every expert: called plainly, every expert after an empty one is computed with an
+    earlier expert's weight scale, a factor-of-2 error at these inputs. te_kernels orders the empty experts last
+    (test above); this shows why, and fails if the references stop modelling TE's C++ here. The GPU test of
+    the same name (tests/test_te_dropless.py) asks TE's kernels the same question."""
+    at_sm(sm)
+    with pytest.raises(AssertionError, match="fp8_current: y"):
+        gpu_tests.check_grouped_gemm(gpu_tests.grouped_dense_as_called_before, "fp8_current", "fp8_current")
+
+
+# ------------------------------------------------------------------------------------------- fused router
+
+
+@pytest.mark.parametrize("name", gpu_tests.ROUTER_CASES)
+def test_te_router_runs_on_cpu(on_cpu, name):
+    """TE's fused_topk_with_score_function (where its semantics are the reference's) and te_dropless's call site,
+    forward: the GPU test itself."""
+    gpu_tests.test_te_router_matches_reference(name)
+
+
+def _router_gradients(topk, cfg, logits, bias):
+    """d/dlogits of sum(weights * a fixed cotangent) through topk(logits, bias, cfg), and the chosen experts. The
+    cotangent is one per (token, expert), not per position: the two routers list a token's experts in other
+    orders (TE's by expert id)."""
+    cot_TE = jnp.cos(jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)
+
+    def f(x):
+        weights, experts = topk(x, None if bias is None else jnp.asarray(bias), cfg)
+        return jnp.sum(weights * jnp.take_along_axis(cot_TE, experts, axis=-1)), experts
+
+    (_, experts), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logits))
+    return np.asarray(grad), np.sort(np.asarray(experts), axis=-1)
+
+
+@pytest.mark.parametrize("name", gpu_tests.ROUTER_CASES)
+def test_te_router_gradient_runs_on_cpu(on_cpu, name):
+    """TE's fused router backward (its custom VJP and kernel) against the gradient of the pure-JAX router, token by
+    token where both chose the same experts and the choice is clear, at TE's router tolerance."""
+    cfg, logits, bias, _ = gpu_tests.router_case(name)
+    got, got_experts = _router_gradients(te_kernels.kernels(cfg).topk, cfg, logits, bias)
+    want, want_experts = _router_gradients(te_kernels.reference_topk, cfg, logits, bias)
+    same = np.all(got_experts == want_experts, axis=-1) & (gpu_tests.decision_margin(logits, bias, cfg) > 1e-5)
+    assert same.mean() > 0.99, f"{name}: {np.sum(~same)} tokens chose differently"
+    assert np.abs(want[same]).max() > 1e-3, f"{name}: the gradient is trivially small"
+    np.testing.assert_allclose(got[same], want[same], rtol=gpu_tests.ROUTER_TOL, atol=gpu_tests.ROUTER_TOL,
+                               err_msg=f"{name}: d/dlogits")
+
+
+# ------------------------------------------------------------------------------------------- mutations
+
+
+def _broken_gemm(*args, **params):
+    """The grouped GEMM with the weights of the next expert (forward and dgrad: rhs carries the experts)."""
+    args = list(args)
+    if args[7].size == 0 and args[8].size == 0:  # rhs not ragged: [G, ...] experts
+        g = next(a.shape[0] for a in args[5:7] if a.size > 0)
+        args[2] = jnp.roll(args[2].reshape(g, -1), 1, axis=0).reshape(args[2].shape)
+    return te_reference.grouped_gemm(*args, **params)
+
+
+def _broken_quantize(*args, **params):
+    """The grouped quantize writing the scale where its inverse belongs."""
+    rowwise, colwise, row_sinv, col_sinv, amax = te_reference.grouped_quantize(*args, **params)
+    return rowwise, colwise, 1.0 / row_sinv, col_sinv, amax
+
+
+def _broken_router_forward(logits, expert_bias, **params):
+    """The router choosing without the expert bias."""
+    return te_reference.router_forward(logits, jnp.zeros_like(expert_bias), **params)
+
+
+def _broken_router_backward(*args, **params):
+    """The router backward without the normalisation's coupling between a token's weights."""
+    return te_reference.router_backward(*args, **{**params, "topk": 1})
+
+
+BIAS_CASE = "DeepSeek-V3: sigmoid with bias, 8 groups keep 4, scaled"
+MUTATIONS = {  # primitive -> (broken reference, the check that must fail)
+    "GroupedGemmPrimitive": (_broken_gemm, lambda: gpu_tests.check_grouped_gemm(_te_gemm(), "bf16", "bf16")),
+    "GroupedQuantizePrimitive": (_broken_quantize, lambda: gpu_tests.check_grouped_gemm(
+        _te_gemm(), "fp8_current", "fp8_current")),
+    "FusedTopkWithScoreFunctionFwdPrimitive": (_broken_router_forward, lambda: test_te_router_runs_on_cpu(
+        None, BIAS_CASE)),
+    "FusedTopkWithScoreFunctionBwdPrimitive": (_broken_router_backward, lambda: test_te_router_gradient_runs_on_cpu(
+        None, BIAS_CASE)),
+}
+
+
+@pytest.mark.parametrize("primitive", MUTATIONS)
+def test_a_broken_reference_fails_its_check(on_cpu, primitive):
+    broken, check = MUTATIONS[primitive]
+    te_reference.install({primitive: broken})
+    try:
+        with pytest.raises(AssertionError):
+            check()
+    finally:
+        te_reference.install()
+    check()  # and passes with the reference restored
+
+
+def test_a_reference_is_held_to_tes_abstract_eval(on_cpu):
+    """A reference whose outputs differ in shape or dtype from what TE's abstract eval promises is refused by
+    name when the program is lowered, not left to a confusing XLA error."""
+    def wrong_dtype(*args, **params):
+        return tuple(o.astype(jnp.float16) if o.dtype == jnp.float32 else o
+                     for o in te_reference.router_forward(*args, **params))
+
+    te_reference.install({"FusedTopkWithScoreFunctionFwdPrimitive": wrong_dtype})
+    try:
+        with pytest.raises(AssertionError, match="FusedTopkWithScoreFunctionFwdPrimitive output 0"):
+            test_te_router_runs_on_cpu(None, BIAS_CASE)
+    finally:
+        te_reference.install()
+
+
+# ------------------------------------------------------------------------------------------- the MoE layer
+
+LAYER_MESHES = {  # name -> (config overrides, devices); expert parallel ones run NCCL EP through the double
+    "1 device": ([], 1),
+    "fsdp8": (["ici_fsdp_parallelism=8"], 8),
+    "fsdp2_expert4": (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], 8),
+    "expert8": (["ici_fsdp_parallelism=1", "ici_expert_parallelism=8"], 8),
+    "data2_expert4": (["ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_expert_parallelism=4"], 8),
+}
+# quantization -> (SM, tolerance of the output and gradients, relative to each array's largest magnitude:
+# without, with expert parallelism). none: float32 activations and GEMMs (the references compute float32
+# exactly; measured 3e-7 to 7e-7), bfloat16 tokens under NCCL EP (it moves bf16 only, notes/te.md §14.3:
+# 3e-2 as tests/test_nccl_ep_double.py, measured 1.0e-2). FP8: e4m3 forward, e5m2 cotangents (2 mantissa bits:
+# up to 12.5% per element) through three GEMMs and SwiGLU, measured worst 0.138; a wrong expert or scale is O(1).
+LAYER_QUANTIZATIONS = {"none": (90, (1e-5, 3e-2)), "fp8_current SM 90": (90, (0.2, 0.2)),
+                       "fp8_current SM 100": (100, (0.2, 0.2))}
+L, D, F, E, K = 16, 128, 128, 8, 2
+
+
+def _layer_case(mesh_name, quantization):
+    from MaxText.parallel import sharding
+
+    overrides, devices = LAYER_MESHES[mesh_name]
+    cfg = tiny_config("moe_impl=te_dropless", "te_kernels=auto", f"max_target_length={L}", f"num_experts={E}",
+                      f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
+                      f"te_gmm_quantization={quantization.split()[0]}", *overrides)
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+    return cfg, mesh, sharding.axis_rules(cfg)
+
+
+@pytest.mark.parametrize("quantization", LAYER_QUANTIZATIONS)
+@pytest.mark.parametrize("mesh_name", LAYER_MESHES)
+def test_te_dropless_layer_runs_te_on_cpu(at_sm, mesh_name, quantization):
+    """dropless.moe_ffn with TE's kernels, forward and gradients, against the float32 per-expert loop on uniform,
+    skewed (empty experts) and all-to-one routing."""
+    from MaxText.layers.moe import te_runtime
+    from tests import nccl_ep_double, test_nccl_ep_double as ep_tests
+
+    sm, (tol, ep_tol) = LAYER_QUANTIZATIONS[quantization]
+    at_sm(sm)
+    cfg, mesh, rules = _layer_case(mesh_name, quantization)
+    t_total = 8 * L
+    kernels = te_kernels.kernels(cfg)
+    assert kernels.name == "transformer_engine"
+    if mesh.shape["expert"] > 1:
+        tol = ep_tol
+        double = nccl_ep_double.kernels(cfg, mesh.shape, t_total // L).te
+        kernels = kernels._replace(name="TE + NCCL EP double", te={**kernels.te, **double})
+    x, w = _layer_params(t_total)
+    cases = ep_tests._routing_cases(t_total)
+
+    def loss(x, w, experts, weights):
+        from MaxText.layers.moe.router import Routing
+
+        routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((E,)), jnp.zeros(()))
+        y, stats = dropless.moe_ffn(x, routing, w, cfg, rules, kernels=kernels)
+        return jnp.sum(y * ep_tests._cotangent(y.shape)), (y, stats["overflow"])
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3), has_aux=True))
+    with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
+        tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(
+            a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1) or None))
+        for name, (experts, weights) in cases.items():
+            args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
+            (_, (y, overflow)), grads = step(args[0], w, args[1], args[2])
+            y_ref, grads_ref = ep_tests._reference(x, w, experts, weights)
+            case = f"TE on CPU, {mesh_name}, {quantization}, routing {name}"
+            assert float(overflow) == 0.0, case
+            _close(y, y_ref, tol, f"{case}: output")
+            _close(grads[0], grads_ref[0], tol, f"{case}: d/dx")
+            _close(grads[2], grads_ref[2], tol, f"{case}: d/drouting weights")
+            for label in ExpertWeights._fields:
+                _close(getattr(grads[1], label), getattr(grads_ref[1], label), tol, f"{case}: d/d{label}")
+
+
+def _layer_params(t_total):
+    keys = jax.random.split(jax.random.key(1), 4)
+    bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731 - exact in the bf16 the EP moves
+    return (bf16(jax.random.normal(keys[0], (t_total, D))),
+            ExpertWeights(bf16(jax.random.normal(keys[1], (E, D, F)) * D ** -0.5),
+                          bf16(jax.random.normal(keys[2], (E, D, F)) * D ** -0.5),
+                          bf16(jax.random.normal(keys[3], (E, F, D)) * F ** -0.5)))
+
+
+def _close(got, want, tol, message):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), f"{message}: not finite"
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * float(np.max(np.abs(want))), err_msg=message)
+
+
+# ------------------------------------------------------------------------------------------- the train step
+
+
+# (te_gmm_quantization, SM, dtype, loss rtol). float32: TE's path and the references compute the same numbers
+# (measured: gradients within 1e-5). bfloat16 alone already differs by rounding: TE lists a token's experts by
+# id, the references by score, so the K expert outputs are summed in another order and a few activations round
+# to the neighbouring bf16 value (gradients within 2e-2 of their largest element, losses 2e-3 after 4 steps).
+# (fp8_current at SM 100 differs from SM 90 in the GEMMs' layouts only: the layer test covers it on every mesh.)
+TRAIN_CASES = [("none", 90, "float32", 1e-5), ("fp8_current", 90, "bfloat16", 3e-2)]
+
+
+@pytest.mark.parametrize("quantization,sm,dtype,rtol", TRAIN_CASES)
+def test_deepseek3_tiny_trains_through_te_on_cpu(at_sm, monkeypatch, tmp_path, quantization, sm, dtype, rtol):
+    """The trainer itself on deepseek3-tiny (MLA, sigmoid group-limited routing with bias, a shared expert, MTP)
+    on fsdp2, te_kernels=auto with TE's Python executing on the references: four steps whose losses track
+    te_kernels=reference's (FP8: e4m3 forward, e5m2 backward), and in float32 the aux-loss-free bias moves alike. The
+    start-up refusal of te_kernels=auto without a GPU is lifted for this test only."""
+    from MaxText.config.load import load_config
+    from MaxText.trainer import loop
+    from tests.tiny import args, losses, train_records
+
+    at_sm(sm)
+    monkeypatch.setattr(loop, "check_available", lambda cfg: None)
+    common = ["model_name=deepseek3-tiny", "override_model_config=true", "moe_impl=te_dropless", "steps=4",
+              "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false", "dataset_type=synthetic",
+              "eval_interval=-1", "max_target_length=32", "per_device_batch_size=2", "ici_fsdp_parallelism=2",
+              "num_experts=8", "routed_bias_update_rate=0.01", f"te_gmm_quantization={quantization}", f"dtype={dtype}",
+              f"base_output_directory={tmp_path}"]
+    runs = {}
+    for kernels in ("auto", "reference"):
+        cfg = load_config(args(common, [f"te_kernels={kernels}", f"run_name={kernels}"]))
+        runs[kernels] = train_records(cfg, devices=jax.devices()[:2])
+    got, want = losses(runs["auto"]), losses(runs["reference"])
+    assert len(got) == 4 and np.isfinite(got).all(), got
+    assert want[-1] < want[0], f"the reference run does not learn: {want}"
+    np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"losses, TE {quantization} vs reference kernels")
+    if dtype == "float32":  # the bias moves by sign steps: under FP8 one token more or less flips a step
+        np.testing.assert_allclose(runs["auto"][-1]["moe_bias_abs_mean"],
+                                   runs["reference"][-1]["moe_bias_abs_mean"], rtol=1e-5, err_msg="routing bias")
