@@ -55,6 +55,26 @@ def dumped_collectives(dump_dir: str, num_devices: int) -> dict | None:
             "loops_with_unknown_trips": unknown_trips}
 
 
+def jaxlib_version() -> tuple:
+    import jaxlib.version  # here, not at the top: JAX loads only after main has set XLA_FLAGS
+
+    return tuple(int(p) for p in re.findall(r"\d+", jaxlib.version.__version__)[:3])
+
+
+def check_jax_for_te(uses_te: bool, num_devices: int) -> None:
+    """jaxlib 0.11.x (NVIDIA's JAX image of TE 2.20) crashes XLA:CPU (a segfault in backend_compile_and_load)
+    compiling a multi-device program that holds TE's grouped GEMM custom call without a CPU handler; the
+    router's custom calls and the one-device step compile. Refused in one line instead of a crash."""
+    # here, not at the top: as the module's other imports, after main has set XLA_FLAGS
+    from MaxText.config.errors import ConfigError
+
+    if uses_te and num_devices > 1 and jaxlib_version() < (0, 12):
+        raise ConfigError(f"the full-scale lowering with TE kernels crashes XLA:CPU under jaxlib "
+                          f"{'.'.join(map(str, jaxlib_version()))} (TE's grouped GEMM custom call on a "
+                          f"{num_devices}-device mesh); run the preflight with jax and jaxlib 0.12.0.1 "
+                          "(requirements.txt) or with --no-lowering")
+
+
 def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = True) -> dict:
     """Steps 1-3 for cfg in this process (which must hold cfg.num_devices CPU devices). With dump_dir (where
     XLA dumps the train step after SPMD partitioning), the result counts its collectives."""
@@ -77,6 +97,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
         te_trace.install(sm)
     start = time.perf_counter()
     mesh = sharding.create_mesh(cfg)
+    check_jax_for_te(uses_te, mesh.devices.size)
     global_batch = global_batch_size(cfg, mesh.devices.size)
     spec = state_spec(cfg, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
