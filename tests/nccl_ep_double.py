@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe import te_kernels, te_runtime
+from MaxText.planning import te_trace
 
 
 def _batch_axes():
@@ -201,18 +202,9 @@ def kernels(cfg, mesh_shape, global_batch: int) -> te_kernels.Kernels:
     get_moe_recv_capacity_per_rank from it)."""
     from transformer_engine.jax import moe
 
-    double = namespace(cfg, mesh_shape, global_batch)
+    # TE's EpConfig for the bootstrap the double models; its EP groups: the one outer batch axis beside `expert`.
+    config = te_trace.ep_config(cfg, dict(mesh_shape), global_batch,
+                                math.prod(n for axis, n in mesh_shape.items() if axis in ("data", "fsdp")))
     return te_kernels.Kernels("nccl_ep_double", te_kernels.reference_topk, slack_grouped_gemm,
-                              {"ep": double, "moe": moe, "ep_config": lambda: ep_config(double, mesh_shape)})
-
-
-def ep_config(double: NcclEpDouble, mesh_shape):
-    """TE's EpConfig as ep_bootstrap records it (cpp_extensions/ep.py get_ep_config), for the double's bootstrap."""
-    from transformer_engine.jax.cpp_extensions.ep import EpConfig
-
-    ep_size, world = mesh_shape["expert"], math.prod(mesh_shape.values())
-    return EpConfig(world_size=world, rank=0, ep_size=ep_size, num_ep_groups=world // ep_size,
-                    num_experts=double.num_experts, num_local_experts=double.num_experts // ep_size,
-                    max_tokens_per_rank=double.max_tokens_per_rank,
-                    recv_capacity_per_rank=double.recv_capacity_per_rank, hidden_dim=double.hidden_dim)
-
+                              {"ep": namespace(cfg, mesh_shape, global_batch), "moe": moe,
+                               "ep_config": lambda: config})

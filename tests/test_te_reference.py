@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from MaxText.layers.moe import dropless, te_kernels
+from MaxText.layers.moe import te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.planning import te_reference, te_trace
-from tests import test_te_dropless as gpu_tests
+from tests import test_te_dropless as gpu_tests, test_te_trace as trace_tests
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.te_trace
@@ -177,92 +177,54 @@ def test_a_reference_is_held_to_tes_abstract_eval(on_cpu):
 
 # ------------------------------------------------------------------------------------------- the MoE layer
 
-LAYER_MESHES = {  # name -> (config overrides, devices); expert parallel ones run NCCL EP through the double
-    "1 device": ([], 1),
-    "fsdp8": (["ici_fsdp_parallelism=8"], 8),
-    "fsdp2_expert4": (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], 8),
-    "expert8": (["ici_fsdp_parallelism=1", "ici_expert_parallelism=8"], 8),
-    "data2_expert4": (["ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_expert_parallelism=4"], 8),
-}
 # quantization -> (SM, tolerance of the output and gradients, relative to each array's largest magnitude:
 # without, with expert parallelism). none: float32 activations and GEMMs (the references compute float32
-# exactly; measured 3e-7 to 7e-7), bfloat16 tokens under NCCL EP (it moves bf16 only, notes/te.md §14.3:
-# 3e-2 as tests/test_nccl_ep_double.py, measured 1.0e-2). FP8: e4m3 forward, e5m2 cotangents (2 mantissa bits:
-# up to 12.5% per element) through three GEMMs and SwiGLU, measured worst 0.138; a wrong expert or scale is O(1).
+# exactly; measured 3.8e-7 to 4.5e-7), bfloat16 tokens under NCCL EP (it moves bf16 only, notes/te.md §14.3:
+# 3e-2 as tests/test_nccl_ep_double.py, measured 1.05e-2). FP8: e4m3 forward, e5m2 cotangents (2 mantissa
+# bits: up to 12.5% per element) through three GEMMs and SwiGLU, measured worst 0.134; a wrong expert or
+# scale is O(1).
 LAYER_QUANTIZATIONS = {"none": (90, (1e-5, 3e-2)), "fp8_current SM 90": (90, (0.2, 0.2)),
                        "fp8_current SM 100": (100, (0.2, 0.2))}
-L, D, F, E, K = 16, 128, 128, 8, 2
-
-
-def _layer_case(mesh_name, quantization):
-    from MaxText.parallel import sharding
-
-    overrides, devices = LAYER_MESHES[mesh_name]
-    cfg = tiny_config("moe_impl=te_dropless", "te_kernels=auto", f"max_target_length={L}", f"num_experts={E}",
-                      f"num_experts_per_tok={K}", f"base_emb_dim={D}", f"base_moe_mlp_dim={F}",
-                      f"te_gmm_quantization={quantization.split()[0]}", *overrides)
-    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
-    return cfg, mesh, sharding.axis_rules(cfg)
 
 
 @pytest.mark.parametrize("quantization", LAYER_QUANTIZATIONS)
-@pytest.mark.parametrize("mesh_name", LAYER_MESHES)
+@pytest.mark.parametrize("mesh_name", trace_tests.MESHES)
 def test_te_dropless_layer_runs_te_on_cpu(at_sm, mesh_name, quantization):
     """dropless.moe_ffn with TE's kernels, forward and gradients, against the float32 per-expert loop on uniform,
-    skewed (empty experts) and all-to-one routing."""
+    skewed (empty experts) and all-to-one routing: tests/test_nccl_ep_double.py's layer, inputs and step, on the
+    trace tests' meshes; NCCL EP through the double where there is expert parallelism."""
     from MaxText.layers.moe import te_runtime
+    from MaxText.parallel import sharding
     from tests import nccl_ep_double, test_nccl_ep_double as ep_tests
+    from tests.test_moe_impls import _relative_close
 
     sm, (tol, ep_tol) = LAYER_QUANTIZATIONS[quantization]
     at_sm(sm)
-    cfg, mesh, rules = _layer_case(mesh_name, quantization)
-    t_total = 8 * L
+    overrides, devices = trace_tests.MESHES[mesh_name]
+    cfg = ep_tests._config(f"te_gmm_quantization={quantization.split()[0]}", *overrides)
+    mesh, rules = sharding.create_mesh(cfg, jax.devices()[:devices]), sharding.axis_rules(cfg)
+    t_total = 8 * ep_tests.L
     kernels = te_kernels.kernels(cfg)
     assert kernels.name == "transformer_engine"
     if mesh.shape["expert"] > 1:
         tol = ep_tol
-        double = nccl_ep_double.kernels(cfg, mesh.shape, t_total // L).te
+        double = nccl_ep_double.kernels(cfg, mesh.shape, t_total // ep_tests.L).te
         kernels = kernels._replace(name="TE + NCCL EP double", te={**kernels.te, **double})
-    x, w = _layer_params(t_total)
-    cases = ep_tests._routing_cases(t_total)
-
-    def loss(x, w, experts, weights):
-        from MaxText.layers.moe.router import Routing
-
-        routing = Routing(weights, experts, jnp.zeros(()), jnp.zeros(()), jnp.zeros((E,)), jnp.zeros(()))
-        y, stats = dropless.moe_ffn(x, routing, w, cfg, rules, kernels=kernels)
-        return jnp.sum(y * ep_tests._cotangent(y.shape)), (y, stats["overflow"])
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3), has_aux=True))
+    x, w = ep_tests._params(t_total)
+    step = ep_tests._nccl_ep_step(kernels, cfg, rules)
     with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
-        tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(
-            a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1) or None))
-        for name, (experts, weights) in cases.items():
+        tokens = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("activation_batch", None), rules))
+        for name, (experts, weights) in ep_tests._routing_cases(t_total).items():
             args = [jax.device_put(a, tokens) for a in (x, experts, weights)]
             (_, (y, overflow)), grads = step(args[0], w, args[1], args[2])
             y_ref, grads_ref = ep_tests._reference(x, w, experts, weights)
             case = f"TE on CPU, {mesh_name}, {quantization}, routing {name}"
             assert float(overflow) == 0.0, case
-            _close(y, y_ref, tol, f"{case}: output")
-            _close(grads[0], grads_ref[0], tol, f"{case}: d/dx")
-            _close(grads[2], grads_ref[2], tol, f"{case}: d/drouting weights")
+            _relative_close(y, y_ref, tol, f"{case}: output")
+            _relative_close(grads[0], grads_ref[0], tol, f"{case}: d/dx")
+            _relative_close(grads[2], grads_ref[2], tol, f"{case}: d/drouting weights")
             for label in ExpertWeights._fields:
-                _close(getattr(grads[1], label), getattr(grads_ref[1], label), tol, f"{case}: d/d{label}")
-
-
-def _layer_params(t_total):
-    keys = jax.random.split(jax.random.key(1), 4)
-    bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731 - exact in the bf16 the EP moves
-    return (bf16(jax.random.normal(keys[0], (t_total, D))),
-            ExpertWeights(bf16(jax.random.normal(keys[1], (E, D, F)) * D ** -0.5),
-                          bf16(jax.random.normal(keys[2], (E, D, F)) * D ** -0.5),
-                          bf16(jax.random.normal(keys[3], (E, F, D)) * F ** -0.5)))
-
-
-def _close(got, want, tol, message):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all(), f"{message}: not finite"
-    np.testing.assert_allclose(got, want, rtol=0, atol=tol * float(np.max(np.abs(want))), err_msg=message)
+                _relative_close(getattr(grads[1], label), getattr(grads_ref[1], label), tol, f"{case}: d/d{label}")
 
 
 # ------------------------------------------------------------------------------------------- the train step

@@ -332,8 +332,8 @@ def test_a_step_larger_than_the_ep_bootstrap_is_refused_before_te_traces_it(te_s
 
 def test_the_lowering_refuses_jaxlib_0_11_with_te_on_many_devices(te_standin, monkeypatch):
     """Under jaxlib 0.11.2 (NVIDIA's JAX image) XLA:CPU segfaults compiling the multi-device step with TE's grouped
-    GEMM custom call (bisected: the router's custom calls compile, the one-device step compiles): the preflight's
-    lowering says so in one line instead of crashing."""
+    GEMM custom call (bisected: the router's custom calls stop with the FFI error, the one-device step compiles):
+    the preflight's lowering says so in one line instead of crashing."""
     monkeypatch.setattr(lowering, "jaxlib_version", lambda: (0, 11, 2))
     with pytest.raises(ConfigError, match=r"crashes XLA:CPU under jaxlib 0\.11\.2 .*8-device mesh.*0\.12\.0\.1") as e:
         lowering.lower_step(_config("fsdp8"))

@@ -64,13 +64,17 @@ def jaxlib_version() -> tuple:
 def check_jax_for_te(uses_te: bool, num_devices: int) -> None:
     """jaxlib 0.11.x (NVIDIA's JAX image of TE 2.20) crashes XLA:CPU (a segfault in backend_compile_and_load)
     compiling a multi-device program that holds TE's grouped GEMM custom call without a CPU handler; the
-    router's custom calls and the one-device step compile. Refused in one line instead of a crash."""
+    router's and NCCL EP's custom calls stop with the FFI error as they should, and the one-device step
+    compiles. Refused in one line instead of a crash."""
     # here, not at the top: as the module's other imports, after main has set XLA_FLAGS
     from MaxText.config.errors import ConfigError
 
-    if uses_te and num_devices > 1 and jaxlib_version() < (0, 12):
+    if not uses_te or num_devices == 1:
+        return
+    version = jaxlib_version()
+    if version < (0, 12):
         raise ConfigError(f"the full-scale lowering with TE kernels crashes XLA:CPU under jaxlib "
-                          f"{'.'.join(map(str, jaxlib_version()))} (TE's grouped GEMM custom call on a "
+                          f"{'.'.join(map(str, version))} (TE's grouped GEMM custom call on a "
                           f"{num_devices}-device mesh); run the preflight with jax and jaxlib 0.12.0.1 "
                           "(requirements.txt) or with --no-lowering")
 

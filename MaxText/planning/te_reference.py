@@ -4,14 +4,15 @@ te_trace puts a stand-in in place of TE's compiled extension, so TE's Python tra
 FFI call. `install()` then registers, for the CPU platform, a pure-JAX lowering of TE's inner primitives:
 everything TE does in Python around them (custom VJPs, quantizer sets, scale bookkeeping, partitioning
 rules, group-size handling) runs for real, and each kernel computes what TE's C++ computes, read from its
-sources (TE main @ d0067d0, transformer_engine/jax/csrc/extensions: gemm.cpp GroupedGemmFFI,
-quantization.cpp GroupedQuantizeFFI). Each reference returns exactly the avals TE's abstract eval
-promises (checked), fills what the kernel leaves unwritten with NaN, and turns a condition on which the
-kernel raises (sum(group_sizes) != rows on the V1 path) into an all-NaN result, so no misuse passes
-unseen in the numbers.
+sources (the transformer_engine_jax 2.20.2 sdist, csrc/extensions: gemm.cpp GroupedGemmFFI, quantization.cpp
+GroupedQuantizeFFI; TE main @ d0067d0 common/fused_router for the router). Each reference returns exactly
+the avals TE's abstract eval promises (checked), fills what the kernel leaves unwritten with NaN, and turns
+a condition on which the kernel raises (sum(group_sizes) != rows on the V1 path) into an all-NaN result, so
+no misuse passes unseen in the numbers.
 
 Primitives without a reference keep TE's own lowering and stop at "No FFI handler registered", as under
-te_trace alone. Like te_trace, for tests and the preflight only, never for a training run.
+te_trace alone. For the tests only (the preflight's lowering keeps te_trace's FFI stop), never for a
+training run.
 
 Kernels covered (TE primitive -> reference):
     GroupedGemmPrimitive (V1 nvte_multi_tensor_gemm, V2 nvte_grouped_gemm): no scaling and tensor scaling
@@ -53,17 +54,16 @@ def install(overrides: dict | None = None) -> None:
     of its TE primitive; the rest keep TE's lowering. te_trace.install must have run. Process-wide, like
     JAX's lowering table; `uninstall` goes back to TE's lowerings."""
     from jax.interpreters import mlir  # noqa: PLC0415
-    from transformer_engine.jax.cpp_extensions import base  # noqa: PLC0415
 
     if te_trace.installed() is None:
         raise RuntimeError("te_reference: call te_trace.install(sm) first (TE's Python over the stand-in)")
     chosen = {**REFERENCES, **(overrides or {})}
-    for name, cls in base._primitive_registry.items():  # noqa: SLF001 - TE keeps no public list
-        if cls.inner_primitive is None:
-            continue
-        fn = chosen.get(name)
-        rule = cls.lowering if fn is None else mlir.lower_fun(_checked(cls, fn), cls.multiple_results)
-        mlir.register_lowering(cls.inner_primitive, rule, platform="cpu")
+
+    def rule(cls):
+        fn = chosen.get(cls.__name__)
+        return None if fn is None else mlir.lower_fun(_checked(cls, fn), cls.multiple_results)
+
+    te_trace.register_cpu_lowerings(rule)
 
 
 def uninstall() -> None:
@@ -276,10 +276,10 @@ def _topk_mask(scores, k: int):
     return jnp.zeros(scores.shape, bool).at[(*jnp.indices(order.shape)[:-1], order)].set(True)
 
 
-def _unpack(routing_map, num_experts: int, routing_map_format: int):
+def _unpack(routing_map, num_experts: int):
+    """The bool [..., E] routing map, from TE's BYTEMAP (bool) or BITMAP_U8 (experts packed LSB-first, 8 a byte)."""
     if routing_map.dtype == jnp.bool_:
         return routing_map
-    del routing_map_format  # BITMAP_U8: experts packed LSB-first, 8 per byte
     bits = (routing_map[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
     return bits.reshape(*routing_map.shape[:-1], -1)[..., :num_experts].astype(bool)
 
@@ -339,10 +339,11 @@ def router_backward(routing_map, intermediate, grad_probs, *, topk, use_pre_soft
     """fused_topk_with_score_function_backward: the gradient of router_forward's probs with the choice held,
     from its intermediate: through scaling_factor, the k > 1 normalisation (sigmoid, sqrtsoftplus), the softmax
     (post: over the chosen; pre: over all, the unchosen receiving no gradient) and the score function."""
+    del routing_map_format  # the map's dtype says which (_unpack)
     if compute_aux_scores:
         raise NotImplementedError("te_reference: the router's aux-loss scores")
     act = intermediate.astype(jnp.float32)
-    chosen = _unpack(routing_map, act.shape[-1], routing_map_format)
+    chosen = _unpack(routing_map, act.shape[-1])
     g = grad_probs.astype(jnp.float32) * scaling_factor
     if score_function == SOFTMAX:
         g = jnp.where(chosen, g, 0.0)

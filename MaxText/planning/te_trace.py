@@ -231,16 +231,18 @@ def _env(**values):
                 os.environ[k] = v
 
 
-def register_cpu_lowerings() -> None:
+def register_cpu_lowerings(rules=None) -> None:
     """Registers the lowering of every TE primitive for the CPU platform as well as CUDA, so `.lower()` and
     `.compile()` of a program with TE ops run TE's partitioning rules on CPU; compiling then stops at the
-    first FFI call, for which no CPU handler exists."""
+    first FFI call, for which no CPU handler exists. `rules(cls)` may give another CPU lowering for a
+    primitive class (None: TE's own): te_reference's kernels."""
     from jax.interpreters import mlir  # noqa: PLC0415
     from transformer_engine.jax.cpp_extensions import base  # noqa: PLC0415
 
     for cls in base._primitive_registry.values():  # noqa: SLF001 - TE keeps no public list
         if cls.inner_primitive is not None:
-            mlir.register_lowering(cls.inner_primitive, cls.lowering, platform="cpu")
+            rule = rules(cls) if rules is not None else None
+            mlir.register_lowering(cls.inner_primitive, rule or cls.lowering, platform="cpu")
 
 
 def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
@@ -249,17 +251,26 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
     from transformer_engine.jax.cpp_extensions import ep as tex_ep  # noqa: PLC0415
     from transformer_engine.jax.sharding import get_mesh_axis_size  # noqa: PLC0415
 
-    from MaxText.layers.moe import te_runtime  # noqa: PLC0415
     from MaxText.parallel import checks  # noqa: PLC0415
 
     shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
     if not checks.nccl_ep_used(cfg, shape):
         return
-    args = te_runtime.ep_bootstrap_args(cfg, shape, global_batch)
     outer = tex_ep._ep_outer_axis()  # noqa: SLF001 - the axis TE's ep_bootstrap reads
-    ep_size = shape["expert"]
-    tex_ep.set_ep_config(tex_ep.EpConfig(
-        world_size=args["world_size"], rank=0, ep_size=ep_size,
-        num_ep_groups=1 if outer is None else get_mesh_axis_size(outer), num_experts=args["num_experts"],
-        num_local_experts=args["num_experts"] // ep_size, max_tokens_per_rank=args["max_tokens_per_rank"],
-        recv_capacity_per_rank=args["recv_capacity_per_rank"], hidden_dim=args["hidden_dim"]))
+    tex_ep.set_ep_config(ep_config(cfg, shape, global_batch, 1 if outer is None else get_mesh_axis_size(outer)))
+
+
+def ep_config(cfg, mesh_shape: dict, global_batch: int, num_ep_groups: int):
+    """TE's EpConfig as its ep_bootstrap records it (cpp_extensions/ep.py), from te_runtime.ep_bootstrap_args for
+    this config and mesh; num_ep_groups: the size of the one outer batch axis TE keeps beside `expert`."""
+    from transformer_engine.jax.cpp_extensions import ep as tex_ep  # noqa: PLC0415
+
+    from MaxText.layers.moe import te_runtime  # noqa: PLC0415
+
+    args = te_runtime.ep_bootstrap_args(cfg, mesh_shape, global_batch)
+    ep_size = mesh_shape["expert"]
+    return tex_ep.EpConfig(
+        world_size=args["world_size"], rank=0, ep_size=ep_size, num_ep_groups=num_ep_groups,
+        num_experts=args["num_experts"], num_local_experts=args["num_experts"] // ep_size,
+        max_tokens_per_rank=args["max_tokens_per_rank"], recv_capacity_per_rank=args["recv_capacity_per_rank"],
+        hidden_dim=args["hidden_dim"])
