@@ -301,3 +301,29 @@ def test_a_step_beyond_the_bootstrap_is_refused_in_one_line(te_standin):
     y, overflow, _ = _run(cfg, step, x[:64], w, experts[:64], weights[:64])
     assert float(overflow) == 0.0
     _assert_close(y, _reference(x[:64], w, experts[:64], weights[:64])[0], "fewer tokens than bootstrapped")
+
+
+def _off_by_one_combine(combine):
+    """ep_combine reading each slot's row from the next slot's place in the EP group's buffers."""
+    def broken(self, cfg, handle, token_counts, expert_out, num_local_tokens, out_sharding=None):
+        return combine(self, cfg, handle, token_counts, jnp.roll(expert_out, 1, axis=1), num_local_tokens,
+                       out_sharding)
+    return broken
+
+
+def _weightless_dispatch(dispatch):
+    """ep_dispatch whose receive buffer carries every row's router weight as 1 (the weight not travelling)."""
+    def broken(self, cfg, topk_idx, tokens, topk_weights, recv_capacity_per_rank):
+        return dispatch(self, cfg, topk_idx, tokens, jnp.ones_like(topk_weights), recv_capacity_per_rank)
+    return broken
+
+
+@pytest.mark.parametrize("op,breaks", [("ep_combine", _off_by_one_combine), ("ep_dispatch", _weightless_dispatch)])
+def test_a_broken_double_fails_the_layer_check(te_standin, monkeypatch, op, breaks):
+    """NCCL EP is substituted on CPU at function level (its ops need collectives): each of the double's ops broken
+    on purpose makes the layer check above fail, on the expert-parallel mesh it exists for."""
+    from tests import nccl_ep_double
+
+    monkeypatch.setattr(nccl_ep_double.NcclEpDouble, op, breaks(getattr(nccl_ep_double.NcclEpDouble, op)))
+    with pytest.raises(AssertionError, match="routing uniform: output"):
+        test_nccl_ep_moe_matches_reference(te_standin, "fsdp2_expert4")

@@ -5,9 +5,11 @@ kernels behind TE's primitives; their numbers are checked against the float32/fl
 The checks are the GPU tests' own (tests/test_te_dropless.py, `gpu`): the same inputs and tolerances, so
 a CPU pass here and a GPU pass there prove the same statement of TE's kernels and of the references. Every
 reference is also broken on purpose once (test_a_broken_reference_fails_its_check) to show the checks see it.
-NCCL EP has no primitive-level reference yet: on the expert-parallel meshes the layer runs TE's router and
-grouped GEMM for real and NCCL EP's ep_dispatch / ep_combine through the function-level double
-(tests/nccl_ep_double.py).
+NCCL EP is substituted at function level (its ops need collectives between the ranks, which a per-device
+lowering cannot express): on the expert-parallel meshes the layer runs TE's router and grouped GEMM for real
+and NCCL EP's ep_dispatch / ep_combine through the double (tests/nccl_ep_double.py, broken on purpose in
+tests/test_nccl_ep_double.py). The product reaches no other TE primitive: not TE's dense GEMM or quantize, its
+permutation (te_dropless sorts with dispatch.AlignedSort) or the async copy of group sizes.
 """
 
 import jax
@@ -46,8 +48,9 @@ def _te_gemm():
 # ------------------------------------------------------------------------------------------- grouped GEMM
 
 # (SM, the GPU test's case): bf16 takes TE's V2 GEMM on both SMs, fp32 and fp8_current its V1 GEMM, each
-# with its grouped quantize (notes/te.md §13.3). MXFP8 has no reference yet.
-GEMMS = [(90, "bf16"), (90, "fp32 (TF32)"), (90, "fp8_current"), (100, "bf16"), (100, "fp8_current")]
+# with its grouped quantize (notes/te.md §13.3); MXFP8 (SM 100) its V2 quantize and GEMM, the dimensions
+# being multiples of 128 (the V1 pair: test_te_mxfp8_gemm_below_128_multiples_takes_v1).
+GEMMS = [(90, "bf16"), (90, "fp32 (TF32)"), (90, "fp8_current"), (100, "bf16"), (100, "fp8_current"), (100, "mxfp8")]
 
 
 @pytest.mark.parametrize("sm,case", GEMMS)
@@ -56,6 +59,65 @@ def test_te_grouped_gemm_runs_on_cpu(at_sm, sm, case):
     at the GPU test's tolerances (tests/test_te_dropless.py GEMM_CASES)."""
     at_sm(sm)
     gpu_tests.check_grouped_gemm(_te_gemm(), case, f"TE grouped GEMM on CPU, SM {sm}, {case}")
+
+
+def _paths_taken():
+    """Installs a grouped GEMM reference that records the use_v2_ffi of every GEMM it computes (at lowering)."""
+    taken = set()
+
+    def spy(*args, **params):
+        taken.add(params["use_v2_ffi"])
+        return te_reference.grouped_gemm(*args, **params)
+
+    te_reference.install({"GroupedGemmPrimitive": spy})
+    return taken
+
+
+@pytest.mark.parametrize("dims,v2", [((256, 512), True), ((96, 160), False)])
+def test_te_mxfp8_gemm_below_128_multiples_takes_v1(at_sm, monkeypatch, dims, v2):
+    """MXFP8 at SM 100 through both of TE's grouped quantize + GEMM pairs: V2 (nvte_group_quantize, graph-safe)
+    when every dimension is a multiple of 128, V1 (one quantize and one GEMM per group, scales padded per group
+    to 128 x 4) below that, with the same check and tolerances; the path each takes is asserted."""
+    at_sm(100)
+    monkeypatch.setattr(gpu_tests, "GEMM_D", dims[0])
+    monkeypatch.setattr(gpu_tests, "GEMM_F", dims[1])
+    taken = _paths_taken()
+    try:
+        gpu_tests.check_grouped_gemm(_te_gemm(), "mxfp8", f"TE MXFP8 grouped GEMM on CPU, D x F = {dims}")
+    finally:
+        te_reference.install()
+    assert taken == {v2}, f"D x F = {dims}: TE's grouped GEMM took use_v2_ffi={taken}, expected {v2}"
+
+
+@pytest.mark.parametrize("colwise", [False, True])
+def test_mxfp8_block_scales_round_trip_without_overlap(on_cpu, colwise):
+    """The MXFP8 scale layout the quantize and GEMM references share (module doc): uneven groups (empty ones, a
+    group of 32 rows, none a multiple of 128) dequantize back to the input within E4M3's rounding, block by block
+    at its own power of two (values spanning 2^-20 to 2^20); no two blocks share a scale byte, and the groups'
+    padded matrices fit the buffer TE's Python allocates (its get_grouped_scale_shape_2x)."""
+    from transformer_engine.jax.quantize import ScalingMode
+
+    sizes = jnp.asarray([64, 0, 32, 160, 0, 96], jnp.int32)
+    rows, cols = int(sizes.sum()), 96
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, cols)) * 2.0 ** rng.integers(-20, 20, size=(rows // 32, 1, cols // 32, 1)).repeat(
+        32, 1).repeat(32, 3).reshape(rows, cols)
+    room = ScalingMode.MXFP8_1D_SCALING.get_grouped_scale_shape_2x((rows, cols), 6, is_padded=True, flatten_axis=-1)
+    buffer = int(np.prod(room[1 if colwise else 0]))
+    data, scales = te_reference._mx_quantize(jnp.asarray(x, jnp.float32), sizes, jnp.float8_e4m3fn, colwise,
+                                             buffer, zero_all=False)
+    back = np.asarray(te_reference._mx_dequantize(data, scales, sizes, rows, cols, colwise))
+    # E4M3 keeps 3 mantissa bits (half an ulp: 2^-4 relative); elements far below their block's largest fall
+    # into its subnormals, whose step is 2^-9 of the block's power of two (< 2^-16 of the block's largest)
+    blocks = np.abs(x).reshape(rows // 32, 32, cols) if colwise else np.abs(x).reshape(rows, cols // 32, 32)
+    block_max = np.broadcast_to(blocks.max(axis=1 if colwise else 2, keepdims=True), blocks.shape).reshape(rows, cols)
+    assert np.all(np.abs(back - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -16 * block_max), "MXFP8 round trip"
+    positions, used = te_reference._mx_scale_positions(sizes, rows, cols, colwise)
+    positions = np.asarray(positions).reshape(-1)
+    assert len(set(positions.tolist())) == positions.size, "two blocks share a scale byte"
+    assert positions.max() < int(used) <= buffer, (positions.max(), int(used), buffer)
+    written = np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8))
+    assert (written[int(used):] == te_reference.E8M0_NAN).all(), "bytes past the groups' matrices are unwritten (NaN)"
 
 
 @pytest.mark.parametrize("sm", [90, 100])
@@ -136,21 +198,49 @@ def _broken_router_backward(*args, **params):
     return te_reference.router_backward(*args, **{**params, "topk": 1})
 
 
+def _broken_mxfp8_gemm(lhs, lhs_sinv, rhs, rhs_sinv, *args, **params):
+    """The MXFP8 grouped GEMM reading every block scale as 1 (2^0)."""
+    one = jnp.ones(lhs_sinv.shape, jnp.float32).astype(lhs_sinv.dtype)
+    return te_reference.grouped_gemm(lhs, one, rhs, jnp.ones(rhs_sinv.shape, jnp.float32).astype(rhs_sinv.dtype),
+                                     *args, **params)
+
+
+def _broken_mxfp8_quantize(x, scale, group_sizes, **params):
+    """The MXFP8 quantize choosing each block's power of two one step too small (its largest elements saturate)."""
+    exponent = te_reference._e8m0_exponent
+    try:  # the reference runs while TE's primitive is lowered: inside this block
+        te_reference._e8m0_exponent = lambda amax, fp8_max: exponent(amax, fp8_max) - 1
+        return te_reference.grouped_quantize(x, scale, group_sizes, **params)
+    finally:
+        te_reference._e8m0_exponent = exponent
+
+
+def _mxfp8_check():
+    te_trace.set_sm(100)
+    try:
+        gpu_tests.check_grouped_gemm(_te_gemm(), "mxfp8", "mxfp8")
+    finally:
+        te_trace.set_sm(90)
+
+
 BIAS_CASE = "DeepSeek-V3: sigmoid with bias, 8 groups keep 4, scaled"
-MUTATIONS = {  # primitive -> (broken reference, the check that must fail)
-    "GroupedGemmPrimitive": (_broken_gemm, lambda: gpu_tests.check_grouped_gemm(_te_gemm(), "bf16", "bf16")),
-    "GroupedQuantizePrimitive": (_broken_quantize, lambda: gpu_tests.check_grouped_gemm(
+MUTATIONS = {  # name -> (TE primitive, its broken reference, the check that must fail)
+    "GroupedGemmPrimitive": ("GroupedGemmPrimitive", _broken_gemm,
+                             lambda: gpu_tests.check_grouped_gemm(_te_gemm(), "bf16", "bf16")),
+    "GroupedGemmPrimitive, MXFP8": ("GroupedGemmPrimitive", _broken_mxfp8_gemm, _mxfp8_check),
+    "GroupedQuantizePrimitive": ("GroupedQuantizePrimitive", _broken_quantize, lambda: gpu_tests.check_grouped_gemm(
         _te_gemm(), "fp8_current", "fp8_current")),
-    "FusedTopkWithScoreFunctionFwdPrimitive": (_broken_router_forward, lambda: test_te_router_runs_on_cpu(
-        None, BIAS_CASE)),
-    "FusedTopkWithScoreFunctionBwdPrimitive": (_broken_router_backward, lambda: test_te_router_gradient_runs_on_cpu(
-        None, BIAS_CASE)),
+    "GroupedQuantizePrimitive, MXFP8": ("GroupedQuantizePrimitive", _broken_mxfp8_quantize, _mxfp8_check),
+    "FusedTopkWithScoreFunctionFwdPrimitive": ("FusedTopkWithScoreFunctionFwdPrimitive", _broken_router_forward,
+                                               lambda: test_te_router_runs_on_cpu(None, BIAS_CASE)),
+    "FusedTopkWithScoreFunctionBwdPrimitive": ("FusedTopkWithScoreFunctionBwdPrimitive", _broken_router_backward,
+                                               lambda: test_te_router_gradient_runs_on_cpu(None, BIAS_CASE)),
 }
 
 
-@pytest.mark.parametrize("primitive", MUTATIONS)
-def test_a_broken_reference_fails_its_check(on_cpu, primitive):
-    broken, check = MUTATIONS[primitive]
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_a_broken_reference_fails_its_check(on_cpu, name):
+    primitive, broken, check = MUTATIONS[name]
     te_reference.install({primitive: broken})
     try:
         with pytest.raises(AssertionError):
@@ -183,13 +273,16 @@ def test_a_reference_is_held_to_tes_abstract_eval(on_cpu):
 # 3e-2 as tests/test_nccl_ep_double.py, measured 1.05e-2). FP8: e4m3 forward, e5m2 cotangents (2 mantissa
 # bits: up to 12.5% per element) through three GEMMs and SwiGLU, measured worst 0.134; a wrong expert or
 # scale is O(1).
+# MXFP8 (e4m3 both ways, one power of two per 32 elements): measured worst 0.0995 (d/dwi_0, skewed routing, on the
+# expert-parallel meshes; 0.095 without EP); its blocks need a model width
+# and expert width that are multiples of 32 (D x F = 32 x 64 here, 16 x 32 for the others).
 LAYER_QUANTIZATIONS = {"none": (90, (1e-5, 3e-2)), "fp8_current SM 90": (90, (0.2, 0.2)),
-                       "fp8_current SM 100": (100, (0.2, 0.2))}
+                       "fp8_current SM 100": (100, (0.2, 0.2)), "mxfp8 SM 100": (100, (0.2, 0.2))}
 
 
 @pytest.mark.parametrize("quantization", LAYER_QUANTIZATIONS)
 @pytest.mark.parametrize("mesh_name", trace_tests.MESHES)
-def test_te_dropless_layer_runs_te_on_cpu(at_sm, mesh_name, quantization):
+def test_te_dropless_layer_runs_te_on_cpu(at_sm, monkeypatch, mesh_name, quantization):
     """dropless.moe_ffn with TE's kernels, forward and gradients, against the float32 per-expert loop on uniform,
     skewed (empty experts) and all-to-one routing: tests/test_nccl_ep_double.py's layer, inputs and step, on the
     trace tests' meshes; NCCL EP through the double where there is expert parallelism."""
@@ -200,6 +293,9 @@ def test_te_dropless_layer_runs_te_on_cpu(at_sm, mesh_name, quantization):
 
     sm, (tol, ep_tol) = LAYER_QUANTIZATIONS[quantization]
     at_sm(sm)
+    if quantization.startswith("mxfp8"):
+        monkeypatch.setattr(ep_tests, "D", 32)
+        monkeypatch.setattr(ep_tests, "F", 64)
     overrides, devices = trace_tests.MESHES[mesh_name]
     cfg = ep_tests._config(f"te_gmm_quantization={quantization.split()[0]}", *overrides)
     mesh, rules = sharding.create_mesh(cfg, jax.devices()[:devices]), sharding.axis_rules(cfg)
@@ -235,7 +331,8 @@ def test_te_dropless_layer_runs_te_on_cpu(at_sm, mesh_name, quantization):
 # id, the references by score, so the K expert outputs are summed in another order and a few activations round
 # to the neighbouring bf16 value (gradients within 2e-2 of their largest element, losses 2e-3 after 4 steps).
 # (fp8_current at SM 100 differs from SM 90 in the GEMMs' layouts only: the layer test covers it on every mesh.)
-TRAIN_CASES = [("none", 90, "float32", 1e-5), ("fp8_current", 90, "bfloat16", 3e-2)]
+# mxfp8 at SM 100: measured 1.3e-3 (each block's own power of two; e4m3 gradients too).
+TRAIN_CASES = [("none", 90, "float32", 1e-5), ("fp8_current", 90, "bfloat16", 3e-2), ("mxfp8", 100, "bfloat16", 3e-2)]
 
 
 @pytest.mark.parametrize("quantization,sm,dtype,rtol", TRAIN_CASES)

@@ -15,9 +15,10 @@ te_trace alone. For the tests only (the preflight's lowering keeps te_trace's FF
 training run.
 
 Kernels covered (TE primitive -> reference):
-    GroupedGemmPrimitive (V1 nvte_multi_tensor_gemm, V2 nvte_grouped_gemm): no scaling and tensor scaling
-        (delayed, current); MXFP8 not yet (raises at trace time)
-    GroupedQuantizePrimitive (V1): tensor scaling, rowwise / colwise / both
+    GroupedGemmPrimitive (V1 nvte_multi_tensor_gemm, V2 nvte_grouped_gemm): no scaling, tensor scaling
+        (delayed, current) and MXFP8 (1x32 blocks, E8M0 scales)
+    GroupedQuantizePrimitive (V1 GroupedQuantizeFFI; V2 nvte_group_quantize, MXFP8 at SM 100 with 128-row
+        multiples): tensor scaling and MXFP8, rowwise / colwise / both
     GroupedGemmCopySizesPrimitive: the group sizes themselves
 Layout facts the references follow (C++ only, not readable from TE's Python):
     * tensor-scaled colwise data is each group's [rows_g, cols] block transposed, the blocks back to back;
@@ -27,6 +28,14 @@ Layout facts the references follow (C++ only, not readable from TE's Python):
       is read with that same pointer, so after an empty group the V1 GEMM reads a previous expert's
       weight scale (gemm.cpp: "If is_empty_gemm, scale_inv does not have the corresponding value, do not
       move the pointers"). The reference does what the C++ does; the tests show what that costs.
+    * MXFP8 data is in x's own [rows, cols] order for both copies: rowwise scales one per 32 elements along
+      cols, colwise one per 32 rows (quantization.cpp: only tensor scaling transposes the colwise copy). Each
+      non-empty group's scales are a [rows_g, cols/32] (rowwise) or [rows_g/32, cols] (colwise) matrix padded
+      to TE's 128 x 4 alignment (misc.cpp get_block_scale_shape), the groups' padded blocks back to back, in
+      the layout the GEMM consumes ("pre-swizzled": the quantize kernels write it, the GEMM reads it as is).
+      The swizzle itself happens in TE's CUDA kernels, not in anything its Python or the JAX extension reads:
+      the reference uses cuBLAS's documented 128 x 4 tile layout (colwise on the transposed matrix). What
+      the tests can prove is the round trip (quantize -> GEMM) through TE's Python, not the byte order.
 """
 
 from __future__ import annotations
@@ -148,7 +157,88 @@ def _scaling(scaling_mode) -> str:
         return "none"
     if mode.is_tensor_scaling():
         return "tensor"
-    raise NotImplementedError(f"te_reference: no reference grouped GEMM for {mode} yet")
+    if mode == ScalingMode.MXFP8_1D_SCALING:
+        return "mxfp8"
+    raise NotImplementedError(f"te_reference: no reference for {mode}")
+
+
+# ------------------------------------------------------------------------------------------- MXFP8 blocks
+
+MX_BLOCK = 32  # elements sharing one E8M0 scale
+E8M0_BIAS, E8M0_NAN = 127, 255
+
+
+def _up(a, b):
+    return (a + b - 1) // b * b
+
+
+def _e8m0_exponent(amax, fp8_max: float):
+    """The power of two each block is divided by, as TE chooses it: amax / fp8_max rounded UP to a power of two
+    (so the block's largest element lands at or just below the FP8 maximum), an all-zero block 2^-127; the
+    exponent clamped to E8M0's range (-127 .. 127)."""
+    ratio = amax.astype(jnp.float32) / fp8_max
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    up = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power of two stays
+    return jnp.clip(jnp.where(ratio > 0, up, -E8M0_BIAS), -E8M0_BIAS, E8M0_BIAS).astype(jnp.int32)
+
+
+def _mx_tile_position(r, c, cols_padded):
+    """Flat position of element (r, c) of a scale matrix with cols_padded (a multiple of 4) columns in cuBLAS's
+    block-scaling layout: 128 x 4 tiles, row-major over tiles, each tile's 512 bytes as [32][4 row quarters][4]."""
+    tile = (r // 128) * (cols_padded // 4) + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def _mx_scale_positions(row_sizes, rows: int, cols: int, colwise: bool):
+    """[rows, cols // 32] (rowwise) or [rows // 32, cols] (colwise) flat positions of each block's scale in the
+    grouped scale buffer (module doc): each group's matrix padded to 128 x 4 (colwise: its transpose, [cols,
+    rows_g / 32]), the groups' padded matrices back to back, empty groups taking no room. Also the buffer size
+    the groups use."""
+    sizes = row_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    if colwise:
+        blocks_g = sizes // MX_BLOCK
+        padded_cols_g = _up(blocks_g, 4)  # per group, the transposed matrix's columns
+        room_g = padded_cols_g * _up(cols, 128)
+        offsets = jnp.cumsum(room_g) - room_g
+        b = jnp.arange(rows // MX_BLOCK)[:, None]
+        g = jnp.minimum(_group_of_rows(sizes, rows)[b[:, 0] * MX_BLOCK], sizes.shape[0] - 1)[:, None]
+        local_block = b - starts[g] // MX_BLOCK
+        c = jnp.arange(cols)[None, :]
+        return offsets[g] + _mx_tile_position(c, local_block, padded_cols_g[g]), jnp.sum(room_g)
+    cols_padded = _up(cols // MX_BLOCK, 4)
+    room_g = _up(sizes, 128) * cols_padded
+    offsets = jnp.cumsum(room_g) - room_g
+    r = jnp.arange(rows)[:, None]
+    g = jnp.minimum(_group_of_rows(sizes, rows), sizes.shape[0] - 1)[:, None]
+    c = jnp.arange(cols // MX_BLOCK)[None, :]
+    return offsets[g] + _mx_tile_position(r - starts[g], c, cols_padded), jnp.sum(room_g)
+
+
+def _mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero_all: bool):
+    """x2 [rows, cols] in MXFP8: (data [rows * cols] in x2's order, the E8M0 scale buffer [buffer_size]). The
+    kernels zero the scale bytes the groups use (V2: the whole buffer); the rest is unwritten (NaN)."""
+    rows, cols = x2.shape
+    fp8_max = float(jnp.finfo(out_dtype).max)
+    blocks = (x2.reshape(rows // MX_BLOCK, MX_BLOCK, cols) if colwise
+              else x2.reshape(rows, cols // MX_BLOCK, MX_BLOCK))
+    exponent = _e8m0_exponent(jnp.max(jnp.abs(blocks), axis=1 if colwise else 2), fp8_max)
+    inverse = jnp.ldexp(jnp.float32(1), -exponent)  # 2^127 at most; 2^-127 itself would be flushed to 0 on CPU
+    q = jnp.clip(blocks * (inverse[:, None, :] if colwise else inverse[:, :, None]), -fp8_max, fp8_max)
+    positions, used = _mx_scale_positions(row_sizes, rows, cols, colwise)
+    fill = jnp.where(zero_all | (jnp.arange(buffer_size) < used), 0, E8M0_NAN).astype(jnp.uint8)
+    scales = fill.at[positions.reshape(-1)].set((exponent + E8M0_BIAS).astype(jnp.uint8).reshape(-1), mode="drop")
+    return q.astype(out_dtype).reshape(-1), jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
+
+
+def _mx_dequantize(data, scale_inv, row_sizes, rows: int, cols: int, colwise: bool):
+    """The float32 [rows, cols] matrix an MXFP8 operand stands for: data (x's order) times each block's 2^e read
+    from the grouped scale buffer at _mx_scale_positions (a NaN byte, unwritten, gives NaN)."""
+    positions, _ = _mx_scale_positions(row_sizes, rows, cols, colwise)
+    byte = jax.lax.bitcast_convert_type(scale_inv, jnp.uint8).reshape(-1)[positions]
+    factor = jnp.where(byte == E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1), byte.astype(jnp.int32) - E8M0_BIAS))
+    factor = jnp.repeat(factor, MX_BLOCK, axis=0 if colwise else 1)
+    return data.reshape(rows, cols).astype(jnp.float32) * factor
 
 
 @reference("GroupedGemmCopySizesPrimitive")
@@ -170,7 +260,8 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     [G, k, n], out [M, n]. sum(group sizes) must be the ragged extent (else it raises: all-NaN here), an
     empty group's output is zeroed, FP8 on SM < 100 must be NT. Tensor scales: see the module doc.
     V2 (nvte_grouped_gemm): the same products; the groups may stop short of the buffer (rows past them are
-    not written: NaN), alpha scales each group, scales by group index (MXFP8 only, not covered).
+    not written: NaN), alpha scales each group. MXFP8 (both paths): each operand dequantized from its 32-element
+    blocks (module doc), the contraction in float32; V1 moves the block-scale pointers past empty GEMMs too.
     """
     del bias, out_first, out_last, lhs_axis_boundary, rhs_axis_boundary, use_async_d2h_group_sizes
     if has_bias:
@@ -188,31 +279,17 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     hi = jax.lax.Precision.HIGHEST
     if rhs_ragged:
         n = rhs_left_size if rhs_is_trans else rhs_right_size
-        # Logical [k, m] and [k, n] matrices: the ragged k rows group after group.
-        a = (lhs.reshape(k, m) if lhs_is_trans else _block_transposed_rows(lhs, sizes, k, m)).astype(jnp.float32)
-        b = (_block_transposed_rows(rhs, sizes, k, n) if rhs_is_trans else rhs.reshape(k, n)).astype(jnp.float32)
-        g_of_row = _group_of_rows(sizes, k)
-        if scaling == "tensor":  # both operands quantized with these group sizes: compacted scales on both
-            j = _compacted_index(sizes)[jnp.minimum(g_of_row, num_gemms - 1)]
-            a, b = a * lhs_sinv[j][:, None], b * rhs_sinv[j][:, None]
-        onehot = (g_of_row[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
+        a, b = _ragged_k_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, (k, m, n), lhs_is_trans, rhs_is_trans, scaling)
+        onehot = (_group_of_rows(sizes, k)[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
         out = jnp.einsum("km,kn,kg->gmn", a, b, onehot, precision=hi)
         ragged_extent = k
     else:
         n = rhs_left_size // num_gemms if rhs_is_trans else rhs_right_size
         if lhs_is_trans:
             raise NotImplementedError("te_reference: grouped GEMM with a transposed ragged-row lhs")
-        a = lhs.reshape(m, k).astype(jnp.float32)
-        w = rhs.reshape(num_gemms, n, k).transpose(0, 2, 1) if rhs_is_trans else rhs.reshape(num_gemms, k, n)
-        w = w.astype(jnp.float32)
+        a, w = _ragged_m_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, (m, k, n), rhs_is_trans, scaling)
         g_of_row = _group_of_rows(sizes, m)
         gc = jnp.minimum(g_of_row, num_gemms - 1)
-        if scaling == "tensor":
-            # lhs: quantized with these group sizes (compacted). rhs: quantized per expert (all present),
-            # read with the pointer that the V1 loop advances only past non-empty GEMMs.
-            index = _compacted_index(sizes)
-            a = a * lhs_sinv[index[gc]][:, None]
-            w = w * rhs_sinv[index][:, None, None]
         per_group = jnp.einsum("mk,gkn->mgn", a, w, precision=hi)
         out = jnp.take_along_axis(per_group, gc[:, None, None], axis=1)[:, 0, :]
         out = jnp.where((g_of_row < num_gemms)[:, None], out, jnp.nan)  # rows past the groups: not written
@@ -226,6 +303,46 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     return (out.astype(out_dtype).reshape(out_shape),)  # the workspaces: _checked
 
 
+def _ragged_k_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, kmn, lhs_is_trans, rhs_is_trans, scaling):
+    """A ragged contraction (the weight gradient): the float32 [k, m] and [k, n] matrices the operands stand for,
+    their k rows group after group."""
+    k, m, n = kmn
+    if scaling == "mxfp8":  # both operands' colwise copies (x's order), blocks down the ragged k rows
+        if not lhs_is_trans or rhs_is_trans:
+            raise NotImplementedError("te_reference: MXFP8 grouped GEMM with a ragged rhs in this layout")
+        return (_mx_dequantize(lhs, lhs_sinv, sizes, k, m, colwise=True),
+                _mx_dequantize(rhs, rhs_sinv, sizes, k, n, colwise=True))
+    a = lhs.reshape(k, m) if lhs_is_trans else _block_transposed_rows(lhs, sizes, k, m)
+    b = _block_transposed_rows(rhs, sizes, k, n) if rhs_is_trans else rhs.reshape(k, n)
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    if scaling == "tensor":  # both operands quantized with these group sizes: compacted scales on both
+        j = _compacted_index(sizes)[jnp.minimum(_group_of_rows(sizes, k), sizes.shape[0] - 1)]
+        a, b = a * lhs_sinv[j][:, None], b * rhs_sinv[j][:, None]
+    return a, b
+
+
+def _ragged_m_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, mkn, rhs_is_trans, scaling):
+    """Ragged rows (forward, data gradient): the float32 [m, k] rows and [G, k, n] experts the operands stand for."""
+    m, k, n = mkn
+    num_gemms = sizes.shape[0]
+    if scaling == "mxfp8":  # lhs rowwise (blocks along k); each expert's weights blocked along k too
+        a = _mx_dequantize(lhs, lhs_sinv, sizes, m, k, colwise=False)
+        rows_e, cols_e = (n, k) if rhs_is_trans else (k, n)
+        w = _mx_dequantize(rhs, rhs_sinv, jnp.full((num_gemms,), rows_e, jnp.int32), num_gemms * rows_e, cols_e,
+                           colwise=not rhs_is_trans)
+    else:
+        a, w = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    a = a.reshape(m, k)
+    w = w.reshape(num_gemms, n, k).transpose(0, 2, 1) if rhs_is_trans else w.reshape(num_gemms, k, n)
+    if scaling == "tensor":
+        # lhs: quantized with these group sizes (compacted). rhs: quantized per expert (all present), read with
+        # the pointer that the V1 loop advances only past non-empty GEMMs.
+        index = _compacted_index(sizes)
+        a = a * lhs_sinv[index[jnp.minimum(_group_of_rows(sizes, m), num_gemms - 1)]][:, None]
+        w = w * rhs_sinv[index][:, None, None]
+    return a, w
+
+
 # ------------------------------------------------------------------------------------------- grouped quantize
 
 
@@ -236,15 +353,16 @@ def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout
     each group's block transposed; scale_inv = 1 / scale and amax = max|x| of each non-empty group, compacted
     (module doc), the rest unwritten. The colwise scale_inv is not written (TE's Python reads the rowwise
     one for tensor scaling). sum(group_sizes) must be the rows or x's first dim (else it raises: all NaN)."""
-    from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
-
-    if not ScalingMode(scaling_mode).is_tensor_scaling():
-        raise NotImplementedError(f"te_reference: no reference grouped quantize for {ScalingMode(scaling_mode)} yet")
     eff = flatten_axis if flatten_axis >= 0 else flatten_axis + x.ndim
     rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
     unit = int(np.prod(x.shape[1:eff])) if eff > 1 else 1
     sizes = group_sizes.astype(jnp.int32)
     row_sizes = sizes * unit
+    if _scaling(scaling_mode) == "mxfp8":
+        return _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, out_dtype=out_dtype, scaling_mode=scaling_mode,
+                                       q_layout=q_layout, flatten_axis=flatten_axis)
+    if _scaling(scaling_mode) != "tensor":
+        raise NotImplementedError("te_reference: grouped quantize without scaling")
     num_groups = sizes.shape[0]
     g = jnp.minimum(_group_of_rows(row_sizes, rows), num_groups - 1)
     x2 = x.reshape(rows, cols).astype(jnp.float32)
@@ -262,6 +380,31 @@ def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout
     row_sinv = scale_inv.astype(scale_dtype) if q_layout.has_rowwise else _nan((1,), scale_dtype)
     col_sinv = _nan((num_groups,), scale_dtype) if q_layout.has_colwise else _nan((1,), scale_dtype)
     return rowwise, colwise, row_sinv, col_sinv, amax  # the workspace: _checked
+
+
+def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scaling_mode, q_layout, flatten_axis):
+    """Grouped MXFP8 quantize, V1 (GroupedQuantizeFFI, one nvte_quantize per non-empty group) or V2
+    (nvte_group_quantize; TE's Python picks it at SM 100 when every dimension is a multiple of 128): the data in
+    x's order, E8M0 block scales in the grouped, padded, GEMM-ready layout (module doc), a 32-multiple of rows in
+    every group for the colwise copy and cols a multiple of 32 (else the kernel raises: all NaN here). The amax
+    output is written for tensor scaling only (NaN). sum(group_sizes) must be the rows or x's first dim."""
+    from transformer_engine.jax.cpp_extensions.quantization import GroupedQuantizePrimitive  # noqa: PLC0415
+    from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
+
+    v2 = GroupedQuantizePrimitive._use_v2_kernel(scaling_mode, x.shape, flatten_axis)
+    row_room, col_room = (int(np.prod(shape)) for shape in ScalingMode(scaling_mode).get_grouped_scale_shape_2x(
+        x.shape, sizes.shape[0], is_padded=True, flatten_axis=flatten_axis))
+    x2 = x.reshape(rows, cols).astype(jnp.float32)
+    ok = ((jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])) & (cols % MX_BLOCK == 0)
+    if q_layout.has_colwise:
+        ok &= jnp.all(row_sizes % MX_BLOCK == 0) & (rows % MX_BLOCK == 0)
+    x2 = jnp.where(ok, x2, jnp.nan)
+    unwritten_data, unwritten_scales = _nan((1,), out_dtype), _nan((1,), jnp.float8_e8m0fnu)
+    rowwise, row_sinv = (_mx_quantize(x2, row_sizes, out_dtype, False, row_room, v2) if q_layout.has_rowwise
+                         else (unwritten_data, unwritten_scales))
+    colwise, col_sinv = (_mx_quantize(x2, row_sizes, out_dtype, True, col_room, v2) if q_layout.has_colwise
+                         else (unwritten_data, unwritten_scales))
+    return rowwise, colwise, row_sinv, col_sinv, _nan((sizes.shape[0],), jnp.float32)  # the workspace: _checked
 
 
 # ------------------------------------------------------------------------------------------- fused router
