@@ -1,4 +1,4 @@
-"""Transformer Engine's own Python executing on CPU (marker `te_trace`): TE's router, grouped quantize and grouped
+"""Transformer Engine's own Python executing on CPU (marker `te_trace`): TE's router, grouped and dense quantize and
 GEMM run through TE's custom VJPs, quantizer sets and group-size handling, with MaxText/planning/te_reference.py's
 kernels behind TE's primitives; their numbers are checked against the float32/float64 references.
 
@@ -8,8 +8,10 @@ reference is also broken on purpose once (test_a_broken_reference_fails_its_chec
 NCCL EP is substituted at function level (its ops need collectives between the ranks, which a per-device
 lowering cannot express): on the expert-parallel meshes the layer runs TE's router and grouped GEMM for real
 and NCCL EP's ep_dispatch / ep_combine through the double (tests/nccl_ep_double.py, broken on purpose in
-tests/test_nccl_ep_double.py). The product reaches no other TE primitive: not TE's dense GEMM or quantize, its
-permutation (te_dropless sorts with dispatch.AlignedSort) or the async copy of group sizes.
+tests/test_nccl_ep_double.py). TE's dense GEMM and quantize are checked through TE's dense() with the quantizer
+sets the product builds (the dense layers reach them with upstream's `quantization`). The product reaches no
+other TE primitive: not its permutation (te_dropless sorts with dispatch.AlignedSort; TE's is Triton, GPU-only)
+or the async copy of group sizes.
 """
 
 import jax
@@ -132,6 +134,58 @@ def test_te_tensor_scaled_gemm_misreads_scales_after_an_empty_expert(at_sm, sm):
         gpu_tests.check_grouped_gemm(gpu_tests.grouped_dense_as_called_before, "fp8_current", "fp8_current")
 
 
+# ------------------------------------------------------------------------------------------- dense GEMM
+
+# TE's dense() (the API the dense layers' GEMMs go through under upstream's `quantization`), forward and both
+# gradients with a bias, against float64. Tolerances as max|got - want| / max|want|: bf16 rounding; FP8 as the
+# grouped GEMM's (e4m3 forward, e5m2 gradients; MXFP8 e4m3 both ways). Measured: none 2.6e-3, fp8_current
+# 0.033 / 0.047 / 0.051 (y, dx, dw) at either SM, mxfp8 0.034 / 0.038 / 0.034; dbias (a float32 sum) 2.3e-3. A
+# scale read for the neighbouring block fails it (O(1) errors).
+DENSE_CASES = {(90, "none"): (1e-2,) * 3, (90, "fp8_current"): (0.1, 0.15, 0.15),
+               (100, "fp8_current"): (0.1, 0.15, 0.15), (100, "mxfp8"): (0.1,) * 3}
+
+
+def dense_inputs():
+    """x [4, 32, 96], w [96, 128], bias [128], cotangent [4, 32, 128]: normal values whose magnitude changes from
+    one 32 x 32 tile to the next (2^-2 .. 2^1), so that a block scale read for the wrong block, or along the
+    wrong axis, is off by a factor of 2 or more."""
+    rng = np.random.default_rng(2)
+
+    def tiled(*shape):
+        r, c = np.indices(shape[-2:]) // 32
+        return rng.normal(size=shape) * 2.0 ** ((r + 2 * c) % 4 - 2)
+
+    return (jnp.asarray(tiled(4, 32, 96), jnp.bfloat16), jnp.asarray(tiled(96, 128) / 8, jnp.bfloat16),
+            jnp.asarray(rng.normal(size=128), jnp.bfloat16), jnp.asarray(tiled(4, 32, 128), jnp.bfloat16))
+
+
+def check_dense(quantization: str, tols, label: str):
+    from transformer_engine.jax import dense
+
+    te = te_kernels.kernels(tiny_config("moe_impl=te_dropless")).te
+    quantizers = te_kernels._te_quantizer_set(te, quantization, 1)
+    x, w, b, ct = dense_inputs()
+
+    def forward_and_back(x, w, b, ct):  # jitted afresh per check: eager TE ops would keep a cached lowering
+        y, vjp = jax.vjp(lambda *a: dense.dense(*a, contracting_dims=((2,), (0,)), quantizer_set=quantizers), x, w, b)
+        return (y, *vjp(ct))
+
+    got = [np.asarray(a, np.float64) for a in jax.jit(forward_and_back)(x, w, b, ct)]
+    x, w, b, ct = (np.asarray(a, np.float64) for a in (x, w, b, ct))
+    want = (x @ w + b, ct @ w.T, np.einsum("bsd,bsf->df", x, ct), ct.sum((0, 1)))
+    for name, g, r, tol in zip(("y", "dx", "dw", "dbias"), got, want, (*tols, 1e-2)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=tol * np.max(np.abs(r)), err_msg=f"{label}: {name}")
+
+
+@pytest.mark.parametrize("sm,quantization", DENSE_CASES)
+def test_te_dense_runs_on_cpu(at_sm, sm, quantization):
+    """TE's dense GEMM and (dbias) quantize through TE's custom VJP and quantizer sets, with the quantizer set
+    te_dropless builds for its experts: bf16, tensor-scaled FP8 (at SM 90 the NT-only layouts, TE's transposed
+    copies; at SM 100 its rowwise-only ones) and MXFP8 (the block scales TE's Python swizzles itself)."""
+    at_sm(sm)
+    check_dense(quantization, DENSE_CASES[sm, quantization], f"TE dense on CPU, SM {sm}, {quantization}")
+
+
 # ------------------------------------------------------------------------------------------- fused router
 
 
@@ -205,14 +259,20 @@ def _broken_mxfp8_gemm(lhs, lhs_sinv, rhs, rhs_sinv, *args, **params):
                                      *args, **params)
 
 
-def _broken_mxfp8_quantize(x, scale, group_sizes, **params):
-    """The MXFP8 quantize choosing each block's power of two one step too small (its largest elements saturate)."""
+def _mx_exponent_one_less(reference, *args, **params):
+    """reference(*args, **params) with every MXFP8 block's power of two one step too small (its largest elements
+    saturate). The reference runs while TE's primitive is lowered: inside this call."""
     exponent = te_reference._e8m0_exponent
-    try:  # the reference runs while TE's primitive is lowered: inside this block
+    try:
         te_reference._e8m0_exponent = lambda amax, fp8_max: exponent(amax, fp8_max) - 1
-        return te_reference.grouped_quantize(x, scale, group_sizes, **params)
+        return reference(*args, **params)
     finally:
         te_reference._e8m0_exponent = exponent
+
+
+def _broken_mxfp8_quantize(*args, **params):
+    """The grouped MXFP8 quantize choosing each block's power of two one step too small."""
+    return _mx_exponent_one_less(te_reference.grouped_quantize, *args, **params)
 
 
 def _mxfp8_check():
@@ -223,6 +283,30 @@ def _mxfp8_check():
         te_trace.set_sm(90)
 
 
+def _broken_dense_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, *args, **params):
+    """The dense GEMM without its bias."""
+    return te_reference.gemm(lhs, lhs_sinv, rhs, rhs_sinv, jnp.zeros_like(bias), *args, **params)
+
+
+def _broken_dense_quantize(*args, **params):
+    """The dense quantize writing the scale where its inverse belongs (tensor scaling), or choosing each MXFP8
+    block's power of two one step too small."""
+    rowwise, colwise, row_sinv, col_sinv, amax, dbias = _mx_exponent_one_less(te_reference.quantize, *args, **params)
+    if row_sinv.dtype == jnp.float32:
+        row_sinv = 1.0 / row_sinv
+    return rowwise, colwise, row_sinv, col_sinv, amax, dbias
+
+
+def _dense_check(sm, quantization):
+    def check():
+        te_trace.set_sm(sm)
+        try:
+            check_dense(quantization, DENSE_CASES[sm, quantization], quantization)
+        finally:
+            te_trace.set_sm(90)
+    return check
+
+
 BIAS_CASE = "DeepSeek-V3: sigmoid with bias, 8 groups keep 4, scaled"
 MUTATIONS = {  # name -> (TE primitive, its broken reference, the check that must fail)
     "GroupedGemmPrimitive": ("GroupedGemmPrimitive", _broken_gemm,
@@ -231,6 +315,10 @@ MUTATIONS = {  # name -> (TE primitive, its broken reference, the check that mus
     "GroupedQuantizePrimitive": ("GroupedQuantizePrimitive", _broken_quantize, lambda: gpu_tests.check_grouped_gemm(
         _te_gemm(), "fp8_current", "fp8_current")),
     "GroupedQuantizePrimitive, MXFP8": ("GroupedQuantizePrimitive", _broken_mxfp8_quantize, _mxfp8_check),
+    "GemmPrimitive": ("GemmPrimitive", _broken_dense_gemm, _dense_check(90, "none")),
+    "BaseDBiasQuantizePrimitive": ("BaseDBiasQuantizePrimitive", _broken_dense_quantize, _dense_check(90, "fp8_current")),
+    "BaseDBiasQuantizePrimitive, MXFP8": ("BaseDBiasQuantizePrimitive", _broken_dense_quantize,
+                                          _dense_check(100, "mxfp8")),
     "FusedTopkWithScoreFunctionFwdPrimitive": ("FusedTopkWithScoreFunctionFwdPrimitive", _broken_router_forward,
                                                lambda: test_te_router_runs_on_cpu(None, BIAS_CASE)),
     "FusedTopkWithScoreFunctionBwdPrimitive": ("FusedTopkWithScoreFunctionBwdPrimitive", _broken_router_backward,

@@ -20,6 +20,9 @@ Kernels covered (TE primitive -> reference):
     GroupedQuantizePrimitive (V1 GroupedQuantizeFFI; V2 nvte_group_quantize, MXFP8 at SM 100 with 128-row
         multiples): tensor scaling and MXFP8, rowwise / colwise / both
     GroupedGemmCopySizesPrimitive: the group sizes themselves
+    GemmPrimitive (GemmV2FFI, nvte_cublas_gemm_v2): the dense GEMM, no scaling, tensor scaling, MXFP8, bias
+    BaseDBiasQuantizePrimitive (DBiasQuantizeFFI; DBiasQuantizePrimitive and QuantizePrimitive bind it): tensor
+        scaling and MXFP8, rowwise / colwise / both, the bias gradient
 Layout facts the references follow (C++ only, not readable from TE's Python):
     * tensor-scaled colwise data is each group's [rows_g, cols] block transposed, the blocks back to back;
     * tensor-scaled scale_inv (and amax) hold one entry per NON-EMPTY group, in order: the quantizer does
@@ -33,9 +36,13 @@ Layout facts the references follow (C++ only, not readable from TE's Python):
       non-empty group's scales are a [rows_g, cols/32] (rowwise) or [rows_g/32, cols] (colwise) matrix padded
       to TE's 128 x 4 alignment (misc.cpp get_block_scale_shape), the groups' padded blocks back to back, in
       the layout the GEMM consumes ("pre-swizzled": the quantize kernels write it, the GEMM reads it as is).
-      The swizzle itself happens in TE's CUDA kernels, not in anything its Python or the JAX extension reads:
-      the reference uses cuBLAS's documented 128 x 4 tile layout (colwise on the transposed matrix). What
-      the tests can prove is the round trip (quantize -> GEMM) through TE's Python, not the byte order.
+      The grouped swizzle happens in TE's CUDA kernels; the reference uses the 128 x 4 tile layout that TE's
+      Python itself applies for the dense GEMM (gemm.py swizzled_scale: [rows/128, 4, 32, cols/4, 4] ->
+      [rows/128, cols/4, 32, 4, 4]; colwise on the transposed matrix), which is cuBLAS's documented layout.
+      For the grouped path what the tests prove is the round trip (quantize -> GEMM) through TE's Python.
+    * A dense MXFP8 quantize writes its scales as the plain padded matrix (TE's Python swizzles them in
+      GemmPrimitive.impl before the kernel); tensor scaling's colwise copy is x transposed at flatten_axis
+      where TE's ScalingMode says so.
 """
 
 from __future__ import annotations
@@ -215,9 +222,19 @@ def _mx_scale_positions(row_sizes, rows: int, cols: int, colwise: bool):
     return offsets[g] + _mx_tile_position(r - starts[g], c, cols_padded), jnp.sum(room_g)
 
 
-def _mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero_all: bool):
+def _mx_plain_positions(rows: int, cols: int, colwise: bool):
+    """[rows, cols // 32] (rowwise) or [rows // 32, cols] (colwise) positions of the block scales in a dense
+    quantize's scale tensor: the plain row-major matrix padded to 128 x 4 (colwise 4 x 128), as TE's Python
+    reads it (get_scale_shape, is_padded) and swizzles it itself before the GEMM (gemm.py swizzled_scale)."""
+    if colwise:
+        return jnp.arange(rows // MX_BLOCK)[:, None] * _up(cols, 128) + jnp.arange(cols)[None, :]
+    return jnp.arange(rows)[:, None] * _up(cols // MX_BLOCK, 4) + jnp.arange(cols // MX_BLOCK)[None, :]
+
+
+def _mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero_all: bool, plain: bool = False):
     """x2 [rows, cols] in MXFP8: (data [rows * cols] in x2's order, the E8M0 scale buffer [buffer_size]). The
-    kernels zero the scale bytes the groups use (V2: the whole buffer); the rest is unwritten (NaN)."""
+    grouped kernels zero the scale bytes the groups use (V2: the whole buffer); the rest is unwritten (NaN).
+    plain: one matrix in a dense quantize's layout (_mx_plain_positions), its padding unwritten."""
     rows, cols = x2.shape
     fp8_max = float(jnp.finfo(out_dtype).max)
     blocks = (x2.reshape(rows // MX_BLOCK, MX_BLOCK, cols) if colwise
@@ -225,7 +242,10 @@ def _mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero
     exponent = _e8m0_exponent(jnp.max(jnp.abs(blocks), axis=1 if colwise else 2), fp8_max)
     inverse = jnp.ldexp(jnp.float32(1), -exponent)  # 2^127 at most; 2^-127 itself would be flushed to 0 on CPU
     q = jnp.clip(blocks * (inverse[:, None, :] if colwise else inverse[:, :, None]), -fp8_max, fp8_max)
-    positions, used = _mx_scale_positions(row_sizes, rows, cols, colwise)
+    if plain:
+        positions, used = _mx_plain_positions(rows, cols, colwise), 0
+    else:
+        positions, used = _mx_scale_positions(row_sizes, rows, cols, colwise)
     fill = jnp.where(zero_all | (jnp.arange(buffer_size) < used), 0, E8M0_NAN).astype(jnp.uint8)
     scales = fill.at[positions.reshape(-1)].set((exponent + E8M0_BIAS).astype(jnp.uint8).reshape(-1), mode="drop")
     return q.astype(out_dtype).reshape(-1), jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
@@ -405,6 +425,87 @@ def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scali
     colwise, col_sinv = (_mx_quantize(x2, row_sizes, out_dtype, True, col_room, v2) if q_layout.has_colwise
                          else (unwritten_data, unwritten_scales))
     return rowwise, colwise, row_sinv, col_sinv, _nan((sizes.shape[0],), jnp.float32)  # the workspace: _checked
+
+
+# ------------------------------------------------------------------------------------------- dense GEMM
+
+
+def _dense_operand(data, scale_inv, scaling: str, flatten_axis: int, colwise: bool):
+    """The float32 array a dense GEMM operand stands for: as is, times its tensor scale_inv, or MXFP8 blocks
+    (the swizzled scales GemmPrimitive's impl hands its kernel: one group, _mx_scale_positions' layout)."""
+    if scaling == "none":
+        return data.astype(jnp.float32)
+    if scaling == "tensor":
+        return data.astype(jnp.float32) * scale_inv.reshape(-1)[0]
+    rows, cols = int(np.prod(data.shape[:flatten_axis])), int(np.prod(data.shape[flatten_axis:]))
+    one_group = jnp.array([rows], jnp.int32)
+    return _mx_dequantize(data, scale_inv, one_group, rows, cols, colwise).reshape(data.shape)
+
+
+@reference("GemmPrimitive")
+def gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, alpha, beta, *, out_dtype, contracting_dims, scaling_mode,
+         use_split_accumulator, transpose_batch_sequence, sequence_dim, is_outer, collective_op):
+    """GemmV2FFI (gemm.cpp, nvte_cublas_gemm_v2): out = lhs . rhs over contracting_dims (lhs's free dims, then
+    rhs's), in float32, plus the bias when one is given; alpha and beta are read for NVFP4 only (not covered).
+    The operands are dequantized as they are handed over: tensor scaling by their one scale_inv, MXFP8 by the
+    blocks along the contracting dims (the lhs's colwise copy when it contracts its leading dims, the rhs's
+    when it contracts its trailing ones; gemm.py GemmPrimitive.impl). No collective GEMM."""
+    from transformer_engine.jax.cpp_extensions.gemm import _get_gemm_layout, sanitize_dims  # noqa: PLC0415
+
+    del use_split_accumulator, transpose_batch_sequence, sequence_dim, is_outer, alpha, beta
+    if not collective_op.is_none:
+        raise NotImplementedError("te_reference: collective (all-gather / reduce-scatter) GEMM")
+    scaling = _scaling(scaling_mode)
+    lhs_c, rhs_c = (tuple(sanitize_dims(a.ndim, d)) for a, d in zip((lhs, rhs), contracting_dims))
+    lhs_t, rhs_t = _get_gemm_layout((lhs.ndim, rhs.ndim), (lhs_c, rhs_c))
+    a = _dense_operand(lhs, lhs_sinv, scaling, max(lhs_c) + 1 if lhs_t else min(lhs_c), colwise=lhs_t)
+    b = _dense_operand(rhs, rhs_sinv, scaling, min(rhs_c) if rhs_t else max(rhs_c) + 1, colwise=not rhs_t)
+    out = jax.lax.dot_general(a, b, ((lhs_c, rhs_c), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    if bias.size > 0:
+        out = out + bias.astype(jnp.float32)
+    return (out.astype(out_dtype),)  # the workspace: _checked
+
+
+@reference("BaseDBiasQuantizePrimitive")  # DBiasQuantizePrimitive and QuantizePrimitive bind its inner primitive
+def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dtype, scaling_mode, q_layout,
+             flatten_axis, scale_dtype, is_dbias, is_outer, stochastic_rounding, use_rht):
+    """DBiasQuantizeFFI (nvte_quantize / nvte_quantize_dbias) on x seen as [rows, cols] split at flatten_axis.
+    Tensor scaling: x * scale cast (saturating), the colwise copy transposed at flatten_axis where TE's layout
+    says so, scale_inv = 1 / scale in the rowwise buffer (the colwise one unwritten), amax = max(amax, max|x|).
+    MXFP8: _mx_quantize in the dense layout, amax passed through. dbias: x summed over the rows, in x's dtype."""
+    from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
+
+    del sr_rng_state, post_rht_amax, rht_matrix
+    if stochastic_rounding or use_rht:
+        raise NotImplementedError("te_reference: NVFP4's stochastic rounding and Hadamard transform")
+    mode, scaling = ScalingMode(scaling_mode), _scaling(scaling_mode)
+    eff = flatten_axis % x.ndim
+    rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
+    x2 = x.reshape(rows, cols).astype(jnp.float32)
+    row_shape, col_shape = mode.get_scale_shape_2x(x.shape, is_padded=not is_outer, flatten_axis=flatten_axis,
+                                                   broadcast_2d_scale_shape_to_1d=True)
+    col_data_shape = x.shape[eff:] + x.shape[:eff] if mode.is_colwise_transposed else x.shape
+    if scaling == "tensor":
+        fp8_max = float(jnp.finfo(out_dtype).max)
+        q = jnp.clip(x2 * scale.reshape(-1)[0], -fp8_max, fp8_max).astype(out_dtype)
+        row = (q, jnp.full(row_shape, 1.0 / scale.reshape(-1)[0], jnp.float32).astype(scale_dtype))
+        col = (q.T if mode.is_colwise_transposed else q, _nan(col_shape, scale_dtype))
+        new_amax = jnp.maximum(amax, jnp.max(jnp.abs(x2)))
+    elif scaling == "mxfp8":
+        row, col = (_mx_quantize(x2, None, out_dtype, colwise, int(np.prod(shape)), False, plain=True)
+                    for colwise, shape in ((False, row_shape), (True, col_shape)))
+        new_amax = amax
+    else:
+        raise NotImplementedError("te_reference: quantize without scaling")
+    # TE's abstract eval keeps the rowwise scale_inv's shape without a rowwise copy (tensor scaling writes its
+    # one scale_inv there for either copy); a missing copy is one unwritten element.
+    rowwise = row[0].reshape(x.shape) if q_layout.has_rowwise else _nan((1,), out_dtype)
+    row_sinv = (row[1].reshape(row_shape) if q_layout.has_rowwise or scaling == "tensor"
+                else _nan(row_shape, scale_dtype))
+    colwise, col_sinv = ((col[0].reshape(col_data_shape), col[1].reshape(col_shape)) if q_layout.has_colwise
+                         else (_nan((1,), out_dtype), _nan((1,), scale_dtype)))
+    dbias = jnp.sum(x2, axis=0).astype(x.dtype).reshape(x.shape[eff:]) if is_dbias else _nan((1,), x.dtype)
+    return rowwise, colwise, row_sinv, col_sinv, new_amax, dbias  # the workspace: _checked
 
 
 # ------------------------------------------------------------------------------------------- fused router

@@ -93,8 +93,12 @@ class _StandIn(types.ModuleType):
     def _workspace(self, *args, **kwargs):
         return ((1 << 20,), self.DType.kByte)
 
-    get_norm_fwd_workspace_sizes = get_norm_bwd_workspace_sizes = _workspace
-    get_dbias_quantize_workspace_sizes = get_dact_dbias_quantize_workspace_sizes = _workspace
+    def _workspaces(self, *args, **kwargs):
+        """The queries TE's Python unpacks as a one-element list of (shape, dtype)."""
+        return (self._workspace(),)
+
+    get_norm_fwd_workspace_sizes = get_norm_bwd_workspace_sizes = _workspaces
+    get_dbias_quantize_workspace_sizes = get_dact_dbias_quantize_workspace_sizes = _workspaces
     get_fused_attn_fwd_workspace_sizes = get_fused_attn_bwd_workspace_sizes = _workspace
 
     def get_fused_attn_backend(self, *args, **kwargs):
