@@ -488,3 +488,44 @@ def test_a_key_given_twice_is_an_error_naming_both(tmp_path):
     config.write_text("steps: 5\nlog_period: 1\nsteps: 6\n")
     with pytest.raises(ConfigError, match=r"twice.yml: steps is given twice \(lines 1 and 3\)"):
         load_config([str(config)])
+
+
+@pytest.mark.parametrize("model", ["deepseek3-tiny", "default"])
+def test_the_dense_weight_table_is_the_layers_own(model):
+    """config/checks.dense_weights (what the start-up checks hold `quantization` to) lists exactly the weights the
+    layers hand to linear.dense_gemm: their shapes and logical axes, for MLA (with a low-rank query, a dense
+    layer, shared experts) and GQA. A layer that changes a projection fails here until the table follows."""
+    from flax import nnx
+
+    from MaxText.config.checks import dense_weights
+    from MaxText.layers.models import Transformer
+    from MaxText.parallel import sharding
+    from tests.tiny import tiny_config
+
+    overrides = ["model_name=deepseek3-tiny", "override_model_config=true", "q_lora_rank=32"] if model != "default" \
+        else ["first_num_dense_layers=1", "shared_experts=1"]
+    cfg = tiny_config(*overrides, "scan_layers=false")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, sharding.axis_rules(cfg), rngs=nnx.Rngs(0)))
+    found = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        names = [str(p) for p in path]
+        if names[-1] in ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "out", "wi_0", "wi_1") and \
+                any(n in ("self_attention", "mlp", "shared_experts") for n in names):
+            found[(tuple(var.shape), tuple(var.get_metadata()["out_sharding"]))] = True
+    table = {(w.shape, w.logical) for w in dense_weights(cfg).values()}
+    assert table == set(found), f"only in the table: {table - set(found)}; only in the layers: {set(found) - table}"
+
+
+def test_mxfp8_refuses_a_weight_shard_off_its_blocks_naming_the_axis():
+    """TE's dense() quantizes each device's shard of a weight, so MXFP8 needs whole 32-element blocks per shard:
+    MLA's q_lora of 32 over fsdp 2 is refused in one line naming the logical axis (what TE itself raised, deep in
+    its partitioner, when tests/test_te_reference.py first ran this on CPU); 64 passes, as does FP8 at 32."""
+    tiny = ["model_name=deepseek3-tiny", "override_model_config=true", "kv_lora_rank=64", "qk_nope_head_dim=32",
+            "qk_rope_head_dim=32", "v_head_dim=32", "max_target_length=32"]
+    fsdp2 = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match=r"query up-projection's q_lora dim of 32 is split over fsdp x expert "
+                                          r"\(2 shards of 16\).*logical_axis_rules for q_lora"):
+        mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=32", "quantization=te_mxfp8"]), fsdp2)
+    mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=64", "quantization=te_mxfp8"]), fsdp2)
+    mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=32", "quantization=te_fp8_currentscaling"]),
+                                       fsdp2)

@@ -271,7 +271,7 @@ def grouped_dense_as_called_before(x, w, sizes, quantization):
     valid = (jnp.arange(rows) < jnp.sum(sizes))[:, None]
     y = te["dense"].grouped_dense(jnp.where(valid, x, 0), w, sizes.at[-1].add(rows - jnp.sum(sizes)),
                                   contracting_dims=((1,), (1,)),
-                                  quantizer_set=te_kernels._te_quantizer_set(te, quantization, w.shape[0]))
+                                  quantizer_set=te_kernels.quantizer_set(te, quantization, w.shape[0]))
     return jnp.where(valid, y, 0)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
+from typing import NamedTuple
 
 from MaxText.config.errors import ConfigError, clip, shown
 from MaxText.config.schema import MESH_AXES, SCHEMA
@@ -37,6 +38,80 @@ def check_te_options(cfg) -> None:
                           f"num_experts_per_tok / topk_routing_group experts and needs a whole number, not "
                           f"{cfg.num_experts_per_tok} / {cfg.topk_routing_group}; make num_experts_per_tok a "
                           "multiple of topk_routing_group or use moe_impl=ragged")
+
+
+class DenseWeight(NamedTuple):
+    """One dense GEMM's weight as the layers declare it: its shape, logical axes, how many leading dims the GEMM
+    contracts (its input width is their product), and the keys that set it."""
+    shape: tuple
+    logical: tuple
+    contracted: int
+    keys: str
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        return math.prod(self.shape[:self.contracted]), math.prod(self.shape[self.contracted:])
+
+
+def dense_weights(cfg) -> dict[str, DenseWeight]:
+    """The weights of the model's dense GEMMs (the ones `quantization` puts through TE), by the GEMM's name; the
+    layers' own (tests/test_te_reference.py holds this table to their parameters)."""
+    d, h, w = cfg.base_emb_dim, cfg.base_num_query_heads, DenseWeight
+    if cfg.attention_type == "mla":
+        qk, rq, rkv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+        if rq > 0:
+            out = {"MLA's query down-projection": w((d, rq), ("embed", "q_lora"), 1, "base_emb_dim, q_lora_rank"),
+                   "MLA's query up-projection": w((rq, h, qk), ("q_lora", "heads", "head_dim"), 1,
+                                                  "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim")}
+        else:
+            out = {"MLA's query projection": w((d, h, qk), ("embed", "heads", "head_dim"), 1,
+                                               "base_emb_dim, qk_nope_head_dim, qk_rope_head_dim")}
+        out["MLA's key-value down-projection"] = w((d, rkv + cfg.qk_rope_head_dim), ("embed", "kv_lora"), 1,
+                                                   "kv_lora_rank, qk_rope_head_dim")
+        out["MLA's key-value up-projection"] = w((rkv, h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                 ("kv_lora", "heads", "head_dim"), 1,
+                                                 "kv_lora_rank, qk_nope_head_dim, v_head_dim")
+        out["MLA's output projection"] = w((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), 2,
+                                           "v_head_dim, base_emb_dim")
+    else:
+        k, n = cfg.head_dim, cfg.base_num_kv_heads
+        out = {"the query projection": w((d, h, k), ("embed", "heads", "head_dim"), 1,
+                                         "base_emb_dim, base_num_query_heads, head_dim"),
+               "the key and value projections": w((d, n, k), ("embed", "kv_heads", "head_dim"), 1,
+                                                  "base_num_kv_heads, head_dim"),
+               "the output projection": w((h, k, d), ("heads", "head_dim", "embed"), 2,
+                                          "base_num_query_heads, head_dim")}
+    mlps = {"the dense MLP": (cfg.base_mlp_dim, "base_mlp_dim") if cfg.first_num_dense_layers > 0 else None,
+            "the shared experts": (cfg.shared_experts * cfg.base_moe_mlp_dim, "shared_experts, base_moe_mlp_dim")
+            if cfg.shared_experts and cfg.num_experts else None}
+    for name, mlp in mlps.items():
+        if mlp is not None:
+            out[f"{name}'s input projections"] = w((d, mlp[0]), ("embed", "mlp"), 1, f"base_emb_dim, {mlp[1]}")
+            out[f"{name}'s output projection"] = w((mlp[0], d), ("mlp", "embed"), 1, f"{mlp[1]}, base_emb_dim")
+    return out
+
+
+def check_quantized_gemms(cfg) -> None:
+    """What TE's quantized GEMMs need of every dense GEMM's widths (each is contracted in one pass or another):
+    multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks); likewise the tokens of one device's
+    micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length (TE blocks the
+    activations' second dim). The shards of the weights: parallel/checks.check_quantized_shards."""
+    if cfg.quantization == "none":
+        return
+    align = 32 if cfg.quantization == "te_mxfp8" else 16
+    why = "MXFP8 scales blocks of 32" if align == 32 else "cuBLAS's FP8 GEMMs contract multiples of 16"
+    for name, weight in dense_weights(cfg).items():
+        width_in, width_out = weight.widths
+        if width_in % align or width_out % align:
+            raise ConfigError(f"quantization={cfg.quantization}: {name} is {width_in} -> {width_out} wide and {why} "
+                              f"(set by {weight.keys}); use widths that are multiples of {align} or "
+                              "quantization=none")
+    tokens = cfg.per_device_batch_size * cfg.max_target_length / cfg.gradient_accumulation_steps
+    if tokens % align or (align == 32 and cfg.max_target_length % align):
+        raise ConfigError(f"quantization={cfg.quantization}: a device's micro-batch holds {tokens:g} tokens "
+                          f"(per_device_batch_size x max_target_length / gradient_accumulation_steps) of sequences "
+                          f"of {cfg.max_target_length}: {why}, and the weight gradient contracts the tokens; make "
+                          f"both multiples of {align}")
 
 
 def check_router(cfg) -> None:
@@ -268,9 +343,9 @@ def check_paths(cfg) -> None:
 
 
 CHECKS = (check_schema, check_te_options, check_router, check_sizes, check_rope,
-          check_attention_heads, check_layers, check_experts, check_dense_masks, check_parallelism,
-          check_logical_axis_rules, check_run_name, check_checkpoint_sources, check_upstream_consistency,
-          check_paths)
+          check_attention_heads, check_layers, check_experts, check_quantized_gemms, check_dense_masks,
+          check_parallelism, check_logical_axis_rules, check_run_name, check_checkpoint_sources,
+          check_upstream_consistency, check_paths)
 
 
 def validate(cfg) -> None:

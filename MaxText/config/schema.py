@@ -92,6 +92,7 @@ HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
 DATASET_TYPES = ("tfds", "grain", "hf", "synthetic")
 TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
+QUANTIZATIONS = ("none", "te_fp8_currentscaling", "te_mxfp8")  # upstream's names of TE's recipes
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")
@@ -202,6 +203,10 @@ SCHEMA: dict[str, Key] = {
         'te_dropless: auto = TE kernels on an NVIDIA GPU | reference = the pure-JAX references (any platform)'),
     "te_gmm_quantization": Key(str, choices=TE_GMM_QUANTIZATIONS, doc=
         'te_dropless grouped GEMMs: none (bf16) | fp8_current (Hopper+) | mxfp8 (Blackwell only)'),
+    "quantization": Key(str, choices=QUANTIZATIONS, doc=
+        'dense GEMMs (attention projections, dense MLPs, shared experts) through TE: none (bf16) | '
+        'te_fp8_currentscaling (SM 8.9+) | te_mxfp8 (Blackwell); the embedding, the output head, the router, '
+        'the norms and the attention core stay in high precision (as DeepSeek-V3 kept them)'),
     "routed_score_func": Key(str, choices=ROUTER_SCORE_FUNCS, doc='softmax | sigmoid (DeepSeek-V3)'),
     "norm_topk_prob": Key(bool, doc='renormalise the k chosen weights to sum to 1 (Mixtral/Qwen3/DeepSeek-V3)'),
     "routed_scaling_factor": Key(float, low=1e-06, doc='multiply the combine weights by this (DeepSeek-V3: 2.5)'),

@@ -119,9 +119,9 @@ GROUPS: tuple[Group, ...] = (
        "remat_policy_for_vit *_for_vit *_for_audio image_path video_path audio_path image_placeholder "
        "video_placeholder audio_placeholder use_audio_in_video video_max_grid_* max_num_images_per_example "
        "vision_output_length use_mrope mrope_section position_id_per_seconds train_image_column eval_image_column"),
-    _g(REFUSED, "quantized training or serving (AQT, Qwix, int8, sparsity); this trainer quantizes only TE's "
-                "grouped GEMMs (te_gmm_quantization)",
-       "quantization constant_bound_config replicate_quant_scale quant_cfg_path quantize_mtp quantize_router_proj "
+    _g(REFUSED, "quantized training or serving (AQT, Qwix, int8, sparsity); this trainer quantizes through TE "
+                "only: its dense GEMMs (quantization) and grouped GEMMs (te_gmm_quantization)",
+       "constant_bound_config replicate_quant_scale quant_cfg_path quantize_mtp quantize_router_proj "
        "quantize_logits_proj logits_proj_quant_calibration_method checkpoint_is_quantized save_quantized_params_path "
        "use_qwix_quantization use_manual_quantization *_quantization_calibration_method "
        "quantization_local_shard_count unquantized_modules weight_block_size weight_sparsity_* "
@@ -294,6 +294,11 @@ VALUE_SPELLINGS = {
     ("attention", "cudnn_flash_jax"): ("cudnn_flash", "cuDNN's fused attention through JAX: the same kernel, "
                                                       "through JAX's cuDNN binding"),
     ("te_gmm_quantization", ""): ("none", "upstream's empty value: no quantization"),
+    ("te_gmm_quantization", "te_no_quant"): ("none", "TE's grouped GEMMs without quantization"),
+    ("te_gmm_quantization", "te_mxfp8"): ("mxfp8", "TE's grouped GEMMs in MXFP8"),
+    ("te_gmm_quantization", "te_fp8_currentscaling"): ("fp8_current", "TE's grouped GEMMs in tensor-scaled FP8"),
+    ("quantization", ""): ("none", "upstream's empty value: no quantization"),
+    ("quantization", "te_no_quant"): ("none", "TE's dense GEMMs without quantization"),
     ("routed_score_func", ""): ("softmax", "upstream's empty value: softmax scores"),
 }
 
@@ -318,8 +323,18 @@ REFUSED_VALUES = {
     ("opt_type", "sgd"): "only adamw is built here",
     ("opt_type", "muon"): "only adamw is built here",
     ("rope_type", "llama3.1"): "Llama 3.1's RoPE scaling is not built here (default or yarn)",
-    ("remat_policy", "minimal_with_quantization"): "no quantization here: use remat_policy=minimal",
-    ("remat_policy", "minimal_with_context_and_quantization"): "no quantization here: use remat_policy=minimal",
+    ("quantization", "te_fp8_delayedscaling"): "delayed scaling keeps an amax history per GEMM, which this trainer "
+                                               "does not carry in its state or checkpoints; use "
+                                               "te_fp8_currentscaling (the same FP8 GEMMs, each scaled by its "
+                                               "own amax)",
+    ("quantization", "te_nvfp4"): "NVFP4 GEMMs have no CPU reference here yet (16-element E4M3 block scales, "
+                                  "stochastic rounding), so nothing has checked TE's calls; use te_mxfp8",
+    ("quantization", "te_nvfp4_no_rht"): "NVFP4 GEMMs have no CPU reference here yet (16-element E4M3 block "
+                                         "scales), so nothing has checked TE's calls; use te_mxfp8",
+    ("remat_policy", "minimal_with_quantization"): "it names AQT's quantized tensors, which are not built here: "
+                                                   "use remat_policy=minimal",
+    ("remat_policy", "minimal_with_context_and_quantization"): "it names AQT's quantized tensors, which are not "
+                                                               "built here: use remat_policy=minimal",
 }
 
 
@@ -390,7 +405,7 @@ def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, t
     if noop:
         logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
                         ", ".join(sorted(noop)))
-    for key in ("attention_type", "attention", "te_gmm_quantization", "routed_score_func", "hardware",
+    for key in ("attention_type", "attention", "te_gmm_quantization", "quantization", "routed_score_func", "hardware",
                 "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy"):
         value = values[key]
         if (key, value) in REFUSED_VALUES:

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import attention_cudnn
+from MaxText.layers.linear import dense_gemm
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
@@ -38,14 +39,15 @@ class Attention(nnx.Module):
         self.rope_interleave = interleaved(cfg)
         self.rope_scale = attention_factor(cfg)
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
+        self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        dt = self.dtype
-        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt)), "query_proj")
-        k = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BLD, self.wk[...].astype(dt)), "key_proj")
-        v = checkpoint_name(jnp.einsum("bld,dnk->blnk", x_BLD, self.wv[...].astype(dt)), "value_proj")
+        dt, qz = self.dtype, self.quantization
+        q = checkpoint_name(dense_gemm("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt), qz), "query_proj")
+        k = checkpoint_name(dense_gemm("bld,dnk->blnk", x_BLD, self.wk[...].astype(dt), qz), "key_proj")
+        v = checkpoint_name(dense_gemm("bld,dnk->blnk", x_BLD, self.wv[...].astype(dt), qz), "value_proj")
         q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), self.rules)
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
@@ -54,7 +56,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
                              rules=self.rules)
-        out = jnp.einsum("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt))
+        out = dense_gemm("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt), qz)
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
 

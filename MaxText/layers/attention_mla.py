@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.attention import attention
+from MaxText.layers.linear import dense_gemm
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies, yarn_mscale
@@ -58,29 +59,30 @@ class MLA(nnx.Module):
         self.softmax_scale = scale
         self.q_lora_rank, self.kv_lora_rank, self.nope_dim = rq, rkv, nope
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
+        self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        dt = self.dtype
+        dt, qz = self.dtype, self.quantization
         b, l, _ = x_BLD.shape
         freqs_P2 = jnp.asarray(self.rope_frequencies, jnp.float32)
         if self.q_lora_rank > 0:
-            q_BLR = checkpoint_name(jnp.einsum("bld,dr->blr", x_BLD, self.wq_a[...].astype(dt)), "mla_q")
-            q_BLHK = jnp.einsum("blr,rhk->blhk", self.q_norm(q_BLR), self.wq_b[...].astype(dt))
+            q_BLR = checkpoint_name(dense_gemm("bld,dr->blr", x_BLD, self.wq_a[...].astype(dt), qz), "mla_q")
+            q_BLHK = dense_gemm("blr,rhk->blhk", self.q_norm(q_BLR), self.wq_b[...].astype(dt), qz)
         else:
-            q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt))
+            q_BLHK = dense_gemm("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt), qz)
         q_BLHK = constrain(q_BLHK, _HEADS, self.rules)
         q_nope, q_pe = jnp.split(q_BLHK, [self.nope_dim], axis=-1)
         q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2, interleave=self.rope_interleave,
                           scale=self.rope_scale)
         q_BLHK = checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
 
-        kv_BLR = checkpoint_name(jnp.einsum("bld,dr->blr", x_BLD, self.wkv_a[...].astype(dt)), "mla_kv")
+        kv_BLR = checkpoint_name(dense_gemm("bld,dr->blr", x_BLD, self.wkv_a[...].astype(dt), qz), "mla_kv")
         c_kv_BLR, k_pe_BLP = jnp.split(kv_BLR, [self.kv_lora_rank], axis=-1)
         k_pe_BL1P = apply_rope(k_pe_BLP[:, :, None, :], positions_BL, frequencies_K2=freqs_P2,
                                interleave=self.rope_interleave, scale=self.rope_scale)
-        kv_BLHK = jnp.einsum("blr,rhk->blhk", self.kv_norm(c_kv_BLR), self.wkv_b[...].astype(dt))
+        kv_BLHK = dense_gemm("blr,rhk->blhk", self.kv_norm(c_kv_BLR), self.wkv_b[...].astype(dt), qz)
         kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
         h = k_nope.shape[2]
@@ -91,6 +93,6 @@ class MLA(nnx.Module):
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
                              chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules)
-        out = jnp.einsum("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt))
+        out = dense_gemm("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt), qz)
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)

@@ -27,7 +27,7 @@ class DecoderLayer(nnx.Module):
         if moe:
             self.moe = MoeBlock(cfg, rules=rules, **kw)
         else:
-            self.mlp = MLP(d, cfg.base_mlp_dim, rules=rules, **kw)
+            self.mlp = MLP(d, cfg.base_mlp_dim, rules=rules, quantization=cfg.quantization, **kw)
         self.is_moe = moe
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):

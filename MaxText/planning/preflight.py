@@ -124,7 +124,8 @@ def check_quantization(cfg, profile: GpuProfile) -> list[Row]:
     from MaxText.layers.moe import te_runtime
 
     return _try("quantization", lambda: te_runtime.check_quantization(cfg, profile.sm / 10) or [
-        Row("quantization", "pass", f"te_gmm_quantization={cfg.te_gmm_quantization} on SM {profile.sm / 10:g}")])
+        Row("quantization", "pass", f"quantization={cfg.quantization}, te_gmm_quantization={cfg.te_gmm_quantization} "
+                                    f"on SM {profile.sm / 10:g}")])
 
 
 def nccl_ep_row(cfg, mesh_shape: dict) -> Row:

@@ -37,7 +37,7 @@ class MoeBlock(nnx.Module):
             self.bias = MoeBias(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
         if cfg.shared_experts:
             self.shared_experts = MLP(d, cfg.shared_experts * f, dtype=dtype, weight_dtype=weight_dtype, rules=rules,
-                                      rngs=rngs)
+                                      rngs=rngs, quantization=cfg.quantization)
         self.cfg = cfg
         self.rules = rules
 

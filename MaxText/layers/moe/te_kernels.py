@@ -91,7 +91,9 @@ def _te_topk(te, logits_TE, bias_E, cfg):
     return weights_TK * cfg.routed_scaling_factor, experts_TK
 
 
-def _te_quantizer_set(te, quantization: str, num_groups: int):
+def quantizer_set(te, quantization: str, num_groups: int):
+    """TE's quantizer set for a GEMM (num_groups 1) or a grouped GEMM: none, fp8_current (E4M3 forward, E5M2
+    gradients) or mxfp8 (E4M3 both ways, 32-element blocks)."""
     if quantization == "none":
         return te["noop_quantizer_set"]
     mode = {"mxfp8": te["ScalingMode"].MXFP8_1D_SCALING,
@@ -120,7 +122,7 @@ def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
     sizes = sizes_E.at[-1].add(rows - jnp.sum(sizes_E))
     y_RF = te["dense"].grouped_dense(jnp.where(valid_R1, x_RD, jnp.zeros((), x_RD.dtype)), w_EDF,
                                      sizes.astype(jnp.int32), contracting_dims=((1,), (1,)),
-                                     quantizer_set=_te_quantizer_set(te, quantization, w_EDF.shape[0]))
+                                     quantizer_set=quantizer_set(te, quantization, w_EDF.shape[0]))
     return jnp.where(valid_R1, y_RF, jnp.zeros((), y_RF.dtype))
 
 

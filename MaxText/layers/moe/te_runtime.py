@@ -58,32 +58,48 @@ def _compute_capability() -> float | None:
     return float(getattr(gpus[0], "compute_capability", "0") or 0)
 
 
+def uses_te(cfg) -> str | None:
+    """What in this config runs Transformer Engine's kernels (for its error lines), or None."""
+    if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto":
+        return "moe_impl=te_dropless with te_kernels=auto"
+    if cfg.quantization != "none":
+        return f"quantization={cfg.quantization}"
+    return None
+
+
 def check_available(cfg) -> None:
-    """Start-up check for moe_impl=te_dropless: one ConfigError line naming the missing piece and the ways out."""
-    if cfg.moe_impl != "te_dropless" or cfg.te_kernels == "reference":
+    """Start-up check for TE's kernels (te_dropless, `quantization`): one ConfigError line naming the missing piece
+    and the ways out."""
+    user = uses_te(cfg)
+    if user is None:
         return
-    alternatives = "use te_kernels=reference (same semantics in pure JAX) or moe_impl=ragged"
+    alternatives = ("use te_kernels=reference (same semantics in pure JAX) or moe_impl=ragged"
+                    if user.startswith("moe_impl") else "use quantization=none (bf16 GEMMs, any platform)")
     capability = _compute_capability()
     if capability is None:
-        raise ConfigError(f"moe_impl=te_dropless with te_kernels=auto needs an NVIDIA GPU and this machine has none "
-                          f"({jax.default_backend()} backend); {alternatives}")
+        raise ConfigError(f"{user} needs an NVIDIA GPU and this machine has none ({jax.default_backend()} "
+                          f"backend); {alternatives}")
     try:
         import_te()
     except TEUnavailable as e:
-        raise ConfigError(f"moe_impl=te_dropless: {e}; run in the NVIDIA JAX container (docker/), or {alternatives}")
+        raise ConfigError(f"{user}: {e}; run in the NVIDIA JAX container (docker/), or {alternatives}")
     check_quantization(cfg, capability)
 
 
 def check_quantization(cfg, capability: float) -> None:
-    """te_gmm_quantization against the GPU generation: MXFP8 needs Blackwell. Tensor-scaled FP8 runs on Hopper and
-    Blackwell alike: TE's Python quantizes and differentiates it at SM 9.0 and SM 10.0 (traced with te_trace, and
-    executed against the references with te_reference; an SM 10 refusal here rested on a stale TE cache in the
-    trace stand-in, notes/te.md §14.1)."""
-    if cfg.moe_impl != "te_dropless":
-        return
-    if cfg.te_gmm_quantization == "mxfp8" and capability < 10.0:
+    """te_gmm_quantization and quantization against the GPU generation: MXFP8 needs Blackwell, tensor-scaled FP8
+    SM 8.9 (Ada) or later. Tensor-scaled FP8 runs on Hopper and Blackwell alike: TE's Python quantizes and
+    differentiates it at SM 9.0 and SM 10.0 (traced with te_trace, and executed against the references with
+    te_reference; an SM 10 refusal here rested on a stale TE cache in the trace stand-in, notes/te.md §14.1)."""
+    if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization == "mxfp8" and capability < 10.0:
         raise ConfigError(f"te_gmm_quantization=mxfp8 needs a Blackwell GPU (SM 10.x), this one is SM {capability}; "
                           "use te_gmm_quantization=fp8_current (tensor-scaled FP8) or none")
+    if cfg.quantization == "te_mxfp8" and capability < 10.0:
+        raise ConfigError(f"quantization=te_mxfp8 needs a Blackwell GPU (SM 10.x), this one is SM {capability}; "
+                          "use quantization=te_fp8_currentscaling (tensor-scaled FP8) or none")
+    if cfg.quantization == "te_fp8_currentscaling" and capability < 8.9:
+        raise ConfigError(f"quantization=te_fp8_currentscaling needs FP8 GEMMs (SM 8.9 or later), this GPU is SM "
+                          f"{capability}; use quantization=none")
 
 
 def ep_recv_capacity(te, cfg, tokens_per_rank: int, ep_size: int) -> int:
@@ -95,9 +111,10 @@ def ep_recv_capacity(te, cfg, tokens_per_rank: int, ep_size: int) -> int:
 
 
 def mesh_context(cfg):
-    """TE's mesh-axis naming (global_shard_guard) while TE kernels run; a no-op for the references. NCCL EP
-    reads its group and the token slabs from these axes at bootstrap and when tracing dispatch/combine."""
-    if cfg.moe_impl != "te_dropless" or cfg.te_kernels != "auto":
+    """TE's mesh-axis naming (global_shard_guard) while TE kernels run (uses_te); a no-op for the references. NCCL
+    EP reads its group and the token slabs from these axes at bootstrap and when tracing dispatch/combine; TE's
+    dense GEMM's partitioning rules read them too."""
+    if uses_te(cfg) is None:
         return contextlib.nullcontext()
     te = import_te()
     return te["global_shard_guard"](te["MeshResource"](dp_resource="data", fsdp_resource="fsdp",
