@@ -196,3 +196,21 @@ def test_plan_times_a_lowerings_collectives_group_by_group(tmp_path, capsys):
     assert plan_command.main([GB200_RECIPE, f"--collectives={path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --collectives={path}: not the JSON") and "\n" not in err, err
+
+
+def test_quantization_speeds_up_the_quantizable_dense_gemms_only():
+    """`quantization` puts the attention projections, dense MLPs and shared experts in FP8, not the router, the
+    output heads or MTP's projection: the dense GEMM term drops by exactly that share's FP8 speed-up, the rest of
+    the step is modelled as before."""
+    cfg = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml"])
+    fp8 = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml", "quantization=te_fp8_currentscaling"])
+    m = steptime.Model.from_config(cfg, 671e9)
+    assert 0.5 * m.dense_gemm_flops < m.quantizable_gemm_flops < m.dense_gemm_flops, m
+    before, after = (plan.plan(c)["step_time"] for c in (cfg, fp8))
+    hw = steptime.HARDWARE["gb200"]
+    speedup = 1 - hw.bf16_tflops / (hw.fp8_tflops * steptime.FP8_GEMM_FACTOR)
+    saved = before["compute_s"]["dense_gemm"] - after["compute_s"]["dense_gemm"]
+    assert saved == pytest.approx(before["compute_s"]["dense_gemm"] * m.quantizable_gemm_flops / m.dense_gemm_flops
+                                  * speedup, rel=1e-6)
+    for term in ("grouped_gemm", "attention", "memory_bound"):
+        assert after["compute_s"][term] == pytest.approx(before["compute_s"][term]), term

@@ -81,9 +81,11 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
                                                   "base_num_kv_heads, head_dim"),
                "the output projection": w((h, k, d), ("heads", "head_dim", "embed"), 2,
                                           "base_num_query_heads, head_dim")}
-    mlps = {"the dense MLP": (cfg.base_mlp_dim, "base_mlp_dim") if cfg.first_num_dense_layers > 0 else None,
+    moe = cfg.num_experts > 1  # else every layer is dense (load.layer_counts)
+    mlps = {"the dense MLP": (cfg.base_mlp_dim, "base_mlp_dim") if cfg.first_num_dense_layers > 0 or not moe
+            else None,
             "the shared experts": (cfg.shared_experts * cfg.base_moe_mlp_dim, "shared_experts, base_moe_mlp_dim")
-            if cfg.shared_experts and cfg.num_experts else None}
+            if cfg.shared_experts and moe else None}
     for name, mlp in mlps.items():
         if mlp is not None:
             out[f"{name}'s input projections"] = w((d, mlp[0]), ("embed", "mlp"), 1, f"base_emb_dim, {mlp[1]}")

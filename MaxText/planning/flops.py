@@ -43,6 +43,19 @@ def attention_flops_per_token(cfg) -> float:
     return 2 * d * (h * k + 2 * n * k) + 2 * h * k * d + attention_core_flops_per_token(cfg)
 
 
+def quantizable_flops_per_token(cfg) -> float:
+    """Forward FLOPs per token of the dense GEMMs upstream's `quantization` puts through TE (layers/linear.py):
+    the attention projections, the dense MLPs and the shared experts, in the decoder and each MTP depth."""
+    num_dense, num_moe = layer_counts(cfg)
+    d, moe = cfg.base_emb_dim, cfg.num_experts > 1
+    projections = attention_flops_per_token(cfg) - attention_core_flops_per_token(cfg)
+    dense_mlp = 2 * 3 * d * cfg.base_mlp_dim
+    shared = cfg.shared_experts * 2 * 3 * d * cfg.base_moe_mlp_dim if moe else 0
+    per_mtp = projections + (shared if moe else dense_mlp)
+    return (cfg.base_num_decoder_layers * projections + num_dense * dense_mlp + num_moe * shared
+            + cfg.mtp_num_layers * per_mtp)
+
+
 def model_flops_per_token(cfg) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token, counted from the config.
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.load import global_batch_size, layer_counts, load_config
-from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token
+from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
 from MaxText.planning.params import parameter_counts
 
 
@@ -106,6 +106,8 @@ class Layout(NamedTuple):
     micro_batch: int = 1
     gemm_precision: str = "bf16"    # bf16 | fp8 (the GEMMs' inputs; fp8 covers MXFP8)
     grouped_precision: str = ""     # the expert GEMMs' precision where it differs ("": gemm_precision)
+    dense_precision: str = ""       # the quantizable dense GEMMs' (attention projections, dense MLPs, shared
+                                    # experts: upstream's `quantization`) where it differs ("": gemm_precision)
     dispatch_bytes: float = 2.0     # per element of a dispatched token (FP8 dispatch: 1)
     dispatch_per: str = "gpu"       # the EP dispatch sends one row per (token, destination): slot | gpu | node
     ep_overlap: str = "none"        # EP_OVERLAP
@@ -137,6 +139,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         fsdp_local=_local(ici("fsdp"), ici("expert") * ici("tensor"), fsdp, domain),
         fsdp_dense_local=_local(ici("fsdp") * ici("expert"), ici("tensor"), fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
+        dense_precision="fp8" if cfg.quantization != "none" else "",
         dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
@@ -228,6 +231,8 @@ class Model(NamedTuple):
     head_params: float = 0.0    # the output head (D x V; 0 when the logits use the embedding)
     embed_params: float = 0.0   # the token embedding (looked up where it lies: never gathered)
     head_uses: int = 1          # output heads computed per step (the main one, and one per MTP depth)
+    quantizable_gemm_flops: float = 0.0  # the part of dense_gemm_flops `quantization` quantizes (not the router,
+                                         # the heads or MTP's projection)
 
     @classmethod
     def from_config(cls, cfg, total_params: float) -> "Model":
@@ -242,7 +247,7 @@ class Model(NamedTuple):
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
                    cfg.base_num_decoder_layers + cfg.mtp_num_layers, head, d * cfg.vocab_size,
-                   1 + cfg.mtp_num_layers)
+                   1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg))
 
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
@@ -283,7 +288,9 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
     forward = 1.0 + lay.recompute  # forward passes per step (recompute included), the backward twice a forward
     passes = forward + 2.0
     t = {}
-    t["dense_gemm"] = tokens * m.dense_gemm_flops * passes / (peak(lay.gemm_precision) * GEMM_EFFICIENCY)
+    quantized = m.quantizable_gemm_flops if lay.dense_precision else 0.0
+    t["dense_gemm"] = tokens * passes / GEMM_EFFICIENCY * (
+        (m.dense_gemm_flops - quantized) / peak(lay.gemm_precision) + quantized / peak(lay.dense_precision or "bf16"))
     t["grouped_gemm"] = tokens * m.grouped_gemm_flops * passes / (peak(grouped_precision) * GROUPED_GEMM_EFFICIENCY)
     t["attention"] = tokens * m.attention_flops * passes / (
         hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY[lay.attention_kernel])
