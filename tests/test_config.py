@@ -515,17 +515,3 @@ def test_the_dense_weight_table_is_the_layers_own(model):
     table = {(w.shape, w.logical) for w in dense_weights(cfg).values()}
     assert table == set(found), f"only in the table: {table - set(found)}; only in the layers: {set(found) - table}"
 
-
-def test_mxfp8_refuses_a_weight_shard_off_its_blocks_naming_the_axis():
-    """TE's dense() quantizes each device's shard of a weight, so MXFP8 needs whole 32-element blocks per shard:
-    MLA's q_lora of 32 over fsdp 2 is refused in one line naming the logical axis (what TE itself raised, deep in
-    its partitioner, when tests/test_te_reference.py first ran this on CPU); 64 passes, as does FP8 at 32."""
-    tiny = ["model_name=deepseek3-tiny", "override_model_config=true", "kv_lora_rank=64", "qk_nope_head_dim=32",
-            "qk_rope_head_dim=32", "v_head_dim=32", "max_target_length=32"]
-    fsdp2 = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
-    with pytest.raises(ConfigError, match=r"query up-projection's q_lora dim of 32 is split over fsdp x expert "
-                                          r"\(2 shards of 16\).*logical_axis_rules for q_lora"):
-        mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=32", "quantization=te_mxfp8"]), fsdp2)
-    mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=64", "quantization=te_mxfp8"]), fsdp2)
-    mesh_checks.check_quantized_shards(load_config([*tiny, "q_lora_rank=32", "quantization=te_fp8_currentscaling"]),
-                                       fsdp2)

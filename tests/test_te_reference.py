@@ -461,30 +461,45 @@ QUANTIZABLE_TINY = ["q_lora_rank=64", "kv_lora_rank=64", "qk_nope_head_dim=32", 
 DENSE_TRAIN_CASES = [("te_fp8_currentscaling", 90, 2e-2), ("te_mxfp8", 100, 2e-2)]
 
 
-@pytest.mark.parametrize("quantization,sm,rtol", DENSE_TRAIN_CASES)
-def test_quantized_dense_gemms_train_through_te_on_cpu(at_sm, monkeypatch, tmp_path, quantization, sm, rtol):
-    """Upstream's `quantization` on deepseek3-tiny (MLA with a low-rank query, a dense layer, shared experts, MTP) on
-    fsdp2: every dense GEMM through TE's dense() with the recipe's quantizer set, its kernels the references
-    (the routed experts on the pure-JAX path, moe_impl=ragged); four steps whose losses track bf16 GEMMs'. The
-    start-up refusal without a GPU is lifted for this test only."""
+def _quantized_vs_bf16(monkeypatch, tmp_path, quantization, mesh_overrides, devices, steps):
+    """Losses of deepseek3-tiny (QUANTIZABLE_TINY, moe_impl=ragged) trained `steps` steps with `quantization` and
+    with bf16 dense GEMMs, on the mesh the overrides make; the start-up refusal without a GPU lifted."""
     from MaxText.config.load import load_config
     from MaxText.trainer import loop
     from tests.tiny import args, losses, train_records
 
-    at_sm(sm)
     monkeypatch.setattr(loop, "check_available", lambda cfg: None)
-    common = ["model_name=deepseek3-tiny", "override_model_config=true", "moe_impl=ragged", "steps=4", "log_period=1",
-              "enable_checkpointing=false", "enable_tensorboard=false", "dataset_type=synthetic", "eval_interval=-1",
-              "max_target_length=32", "per_device_batch_size=2", "ici_fsdp_parallelism=2", "dtype=bfloat16",
-              *QUANTIZABLE_TINY, f"base_output_directory={tmp_path}"]
-    runs = {}
-    for name in ("none", quantization):
-        cfg = load_config(args(common, [f"quantization={name}", f"run_name={name}"]))
-        runs[name] = train_records(cfg, devices=jax.devices()[:2])
+    common = ["model_name=deepseek3-tiny", "override_model_config=true", "moe_impl=ragged", f"steps={steps}",
+              "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false", "dataset_type=synthetic",
+              "eval_interval=-1", "max_target_length=32", "per_device_batch_size=2", "dtype=bfloat16",
+              *QUANTIZABLE_TINY, *mesh_overrides, f"base_output_directory={tmp_path}"]
+    runs = {name: train_records(load_config(args(common, [f"quantization={name}", f"run_name={name}"])),
+                                devices=jax.devices()[:devices]) for name in ("none", quantization)}
     got, want = losses(runs[quantization]), losses(runs["none"])
-    assert len(got) == 4 and np.isfinite(got).all(), got
+    assert len(got) == steps and np.isfinite(got).all(), got
+    assert not np.array_equal(got, want), f"{quantization}: the bf16 losses exactly; the GEMMs bypassed TE"
+    return got, want
+
+
+@pytest.mark.parametrize("quantization,sm,rtol", DENSE_TRAIN_CASES)
+def test_quantized_dense_gemms_train_through_te_on_cpu(at_sm, monkeypatch, tmp_path, quantization, sm, rtol):
+    """Upstream's `quantization` on deepseek3-tiny (MLA with a low-rank query, a dense layer, shared experts, MTP) on
+    fsdp2: every dense GEMM through TE's dense() with the recipe's quantizer set, its kernels the references
+    (the routed experts on the pure-JAX path, moe_impl=ragged); four steps whose losses track bf16 GEMMs'."""
+    at_sm(sm)
+    got, want = _quantized_vs_bf16(monkeypatch, tmp_path, quantization, ["ici_fsdp_parallelism=2"], 2, 4)
     assert want[-1] < want[0], f"the bf16 run does not learn: {want}"
     np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"losses, {quantization} vs bf16 dense GEMMs")
-    assert not np.array_equal(got, want), f"{quantization}: the bf16 losses exactly; the GEMMs bypassed TE"
 
 
+@pytest.mark.parametrize("mesh_name", [m for m in trace_tests.MESHES if trace_tests.MESHES[m][1] > 1])
+def test_fp8_dense_gemms_partition_on_every_mesh(at_sm, monkeypatch, tmp_path, mesh_name):
+    """TE's dense GEMMs under its own partitioning rules on the multi-device test meshes (weights FSDP-sharded
+    and gathered by linear.gathered, expert and data axes splitting the batch), at SM 90: two steps of
+    tensor-scaled FP8 track bf16 GEMMs' losses as on fsdp2. (Before the weights were gathered, TE's partitioner
+    failed on data2_expert4 with a duplicate `expert` in its output sharding.) MXFP8 differs from FP8 only in its
+    quantizer set, checked on fsdp2 above."""
+    at_sm(90)
+    overrides, devices = trace_tests.MESHES[mesh_name]
+    got, want = _quantized_vs_bf16(monkeypatch, tmp_path, "te_fp8_currentscaling", overrides, devices, 2)
+    np.testing.assert_allclose(got, want, rtol=DENSE_TRAIN_CASES[0][2], err_msg=f"{mesh_name}: losses, FP8 vs bf16")

@@ -97,7 +97,7 @@ def check_quantized_gemms(cfg) -> None:
     """What TE's quantized GEMMs need of every dense GEMM's widths (each is contracted in one pass or another):
     multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks); likewise the tokens of one device's
     micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length (TE blocks the
-    activations' second dim). The shards of the weights: parallel/checks.check_quantized_shards."""
+    activations' second dim). Each weight is gathered whole before TE quantizes it (linear.gathered)."""
     if cfg.quantization == "none":
         return
     align = 32 if cfg.quantization == "te_mxfp8" else 16

@@ -22,15 +22,20 @@ from MaxText.layers.rope import apply_rope, attention_factor, interleaved, stati
 from MaxText.parallel.sharding import constrain
 
 
+# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by.
+AXES = {"wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
+        "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed")}
+
+
 class Attention(nnx.Module):
     """Multi-head attention where N key/value heads each serve H/N query heads."""
 
     def __init__(self, cfg, *, dtype, weight_dtype, rules, rngs: nnx.Rngs):
         d, h, n, k = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-        self.wq = param(rngs, fan_in_init(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"), weight_dtype)
-        self.wk = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), ("embed", "kv_heads", "head_dim"), weight_dtype)
-        self.wv = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), ("embed", "kv_heads", "head_dim"), weight_dtype)
-        self.wo = param(rngs, fan_in_init((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"), weight_dtype)
+        self.wq = param(rngs, fan_in_init(0, (1, 2)), (d, h, k), AXES["wq"], weight_dtype)
+        self.wk = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), AXES["wk"], weight_dtype)
+        self.wv = param(rngs, fan_in_init(0, (1, 2)), (d, n, k), AXES["wv"], weight_dtype)
+        self.wo = param(rngs, fan_in_init((0, 1), 2), (h, k, d), AXES["wo"], weight_dtype)
         if cfg.qk_norm:
             norm = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
             self.query_norm, self.key_norm = RMSNorm(k, **norm), RMSNorm(k, **norm)
@@ -43,11 +48,14 @@ class Attention(nnx.Module):
         self.dtype = dtype
         self.rules = rules
 
+    def _gemm(self, spec, x, name):
+        w = getattr(self, name)[...].astype(self.dtype)
+        return dense_gemm(spec, x, w, self.quantization, AXES[name], self.rules)
+
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        dt, qz = self.dtype, self.quantization
-        q = checkpoint_name(dense_gemm("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt), qz), "query_proj")
-        k = checkpoint_name(dense_gemm("bld,dnk->blnk", x_BLD, self.wk[...].astype(dt), qz), "key_proj")
-        v = checkpoint_name(dense_gemm("bld,dnk->blnk", x_BLD, self.wv[...].astype(dt), qz), "value_proj")
+        q = checkpoint_name(self._gemm("bld,dhk->blhk", x_BLD, "wq"), "query_proj")
+        k = checkpoint_name(self._gemm("bld,dnk->blnk", x_BLD, "wk"), "key_proj")
+        v = checkpoint_name(self._gemm("bld,dnk->blnk", x_BLD, "wv"), "value_proj")
         q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), self.rules)
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
@@ -56,7 +64,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
                              rules=self.rules)
-        out = dense_gemm("blhk,hkd->bld", out_BLHK, self.wo[...].astype(dt), qz)
+        out = self._gemm("blhk,hkd->bld", out_BLHK, "wo")
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
 

@@ -25,6 +25,10 @@ from MaxText.layers.rope import apply_rope, attention_factor, interleaved, stati
 from MaxText.parallel.sharding import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", None)
+# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by.
+AXES = {"wq_a": ("embed", "q_lora"), "wq_b": ("q_lora", "heads", "head_dim"), "wq": ("embed", "heads", "head_dim"),
+        "wkv_a": ("embed", "kv_lora"), "wkv_b": ("kv_lora", "heads", "head_dim"),
+        "out": ("heads", "head_dim", "embed")}
 
 
 class MLA(nnx.Module):
@@ -36,18 +40,15 @@ class MLA(nnx.Module):
         nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         norm_kw = dict(epsilon=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         if rq > 0:
-            self.wq_a = param(rngs, fan_in_init(0, 1), (d, rq), ("embed", "q_lora"), weight_dtype)
+            self.wq_a = param(rngs, fan_in_init(0, 1), (d, rq), AXES["wq_a"], weight_dtype)
             self.q_norm = RMSNorm(rq, **norm_kw)
-            self.wq_b = param(rngs, fan_in_init(0, (1, 2)), (rq, h, nope + rope), ("q_lora", "heads", "head_dim"),
-                              weight_dtype)
+            self.wq_b = param(rngs, fan_in_init(0, (1, 2)), (rq, h, nope + rope), AXES["wq_b"], weight_dtype)
         else:
-            self.wq = param(rngs, fan_in_init(0, (1, 2)), (d, h, nope + rope), ("embed", "heads", "head_dim"),
-                            weight_dtype)
-        self.wkv_a = param(rngs, fan_in_init(0, 1), (d, rkv + rope), ("embed", "kv_lora"), weight_dtype)
+            self.wq = param(rngs, fan_in_init(0, (1, 2)), (d, h, nope + rope), AXES["wq"], weight_dtype)
+        self.wkv_a = param(rngs, fan_in_init(0, 1), (d, rkv + rope), AXES["wkv_a"], weight_dtype)
         self.kv_norm = RMSNorm(rkv, **norm_kw)
-        self.wkv_b = param(rngs, fan_in_init(0, (1, 2)), (rkv, h, nope + v), ("kv_lora", "heads", "head_dim"),
-                           weight_dtype)
-        self.out = param(rngs, fan_in_init((0, 1), 2), (h, v, d), ("heads", "head_dim", "embed"), weight_dtype)
+        self.wkv_b = param(rngs, fan_in_init(0, (1, 2)), (rkv, h, nope + v), AXES["wkv_b"], weight_dtype)
+        self.out = param(rngs, fan_in_init((0, 1), 2), (h, v, d), AXES["out"], weight_dtype)
         self.rope_frequencies = static_rope_frequencies(cfg, rope)
         self.rope_interleave = interleaved(cfg)
         self.rope_scale = attention_factor(cfg)
@@ -63,26 +64,29 @@ class MLA(nnx.Module):
         self.dtype = dtype
         self.rules = rules
 
+    def _gemm(self, spec, x, name):
+        w = getattr(self, name)[...].astype(self.dtype)
+        return dense_gemm(spec, x, w, self.quantization, AXES[name], self.rules)
+
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        dt, qz = self.dtype, self.quantization
         b, l, _ = x_BLD.shape
         freqs_P2 = jnp.asarray(self.rope_frequencies, jnp.float32)
         if self.q_lora_rank > 0:
-            q_BLR = checkpoint_name(dense_gemm("bld,dr->blr", x_BLD, self.wq_a[...].astype(dt), qz), "mla_q")
-            q_BLHK = dense_gemm("blr,rhk->blhk", self.q_norm(q_BLR), self.wq_b[...].astype(dt), qz)
+            q_BLR = checkpoint_name(self._gemm("bld,dr->blr", x_BLD, "wq_a"), "mla_q")
+            q_BLHK = self._gemm("blr,rhk->blhk", self.q_norm(q_BLR), "wq_b")
         else:
-            q_BLHK = dense_gemm("bld,dhk->blhk", x_BLD, self.wq[...].astype(dt), qz)
+            q_BLHK = self._gemm("bld,dhk->blhk", x_BLD, "wq")
         q_BLHK = constrain(q_BLHK, _HEADS, self.rules)
         q_nope, q_pe = jnp.split(q_BLHK, [self.nope_dim], axis=-1)
         q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2, interleave=self.rope_interleave,
                           scale=self.rope_scale)
         q_BLHK = checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
 
-        kv_BLR = checkpoint_name(dense_gemm("bld,dr->blr", x_BLD, self.wkv_a[...].astype(dt), qz), "mla_kv")
+        kv_BLR = checkpoint_name(self._gemm("bld,dr->blr", x_BLD, "wkv_a"), "mla_kv")
         c_kv_BLR, k_pe_BLP = jnp.split(kv_BLR, [self.kv_lora_rank], axis=-1)
         k_pe_BL1P = apply_rope(k_pe_BLP[:, :, None, :], positions_BL, frequencies_K2=freqs_P2,
                                interleave=self.rope_interleave, scale=self.rope_scale)
-        kv_BLHK = dense_gemm("blr,rhk->blhk", self.kv_norm(c_kv_BLR), self.wkv_b[...].astype(dt), qz)
+        kv_BLHK = self._gemm("blr,rhk->blhk", self.kv_norm(c_kv_BLR), "wkv_b")
         kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
         h = k_nope.shape[2]
@@ -93,6 +97,6 @@ class MLA(nnx.Module):
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
                              chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules)
-        out = dense_gemm("blhv,hvd->bld", out_BLHV, self.out[...].astype(dt), qz)
+        out = self._gemm("blhv,hvd->bld", out_BLHV, "out")
         out = checkpoint_name(out, "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)

@@ -8,10 +8,14 @@ core (scores, softmax, values) never come here.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.te_kernels import quantizer_set
 from MaxText.layers.moe.te_runtime import import_te
+from MaxText.parallel.checks import DATA_AXES
+from MaxText.parallel.sharding import logical_to_spec
 
 # upstream's `quantization` -> te_kernels' name of the same TE recipe
 RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}
@@ -25,11 +29,26 @@ def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.index(c) for c in shared), tuple(w.index(c) for c in shared)
 
 
-def dense_gemm(spec: str, x, w, quantization: str = "none"):
-    """einsum(spec, x, w) with w already in x's dtype. The contracted dims must be x's last and w's first, the
-    output x's free dims then w's (every projection here): what TE's dense() computes in the recipe's precision."""
+def gathered(w, logical, rules):
+    """w with its FSDP shards gathered (every data axis taken off its sharding; the tensor axis kept), as XLA
+    gathers a weight for an einsum. TE's dense() partitions by its own rules: handed an FSDP-sharded weight it
+    keeps the weight's sharding in its output, which clashes with a batch split over some of the same axes
+    (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running TE's partitioner on CPU), and it
+    quantizes each shard on its own (MXFP8 would need 32-row shards)."""
+    if rules is None or jax.sharding.get_abstract_mesh().empty:
+        return w
+    spec = logical_to_spec(logical, rules)
+    kept = [tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in DATA_AXES) or None
+            for axes in spec]
+    return jax.lax.with_sharding_constraint(w, P(*kept))
+
+
+def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=None):
+    """einsum(spec, x, w) with w already in x's dtype and `logical` its logical axes. The contracted dims must be x's
+    last and w's first, the output x's free dims then w's (every projection here): what TE's dense() computes in
+    the recipe's precision, on the gathered weight."""
     if quantization == "none":
         return jnp.einsum(spec, x, w)
     te = import_te()
-    return te["dense"].dense(x, w, contracting_dims=contracting_dims(spec),
+    return te["dense"].dense(x, gathered(w, logical, rules), contracting_dims=contracting_dims(spec),
                              quantizer_set=quantizer_set(te, RECIPES[quantization], 1))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-from MaxText.config.checks import dense_weights
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size
@@ -26,36 +25,7 @@ def check_mesh(cfg, shape: dict) -> None:
     devices = math.prod(shape[a] for a in MESH_AXES)
     check_batch(cfg, shape, global_batch_size(cfg, devices))
     check_nccl_ep(cfg, shape)
-    check_quantized_shards(cfg, shape)
 
-
-def mesh_axes_of(logical: tuple, rules) -> list[tuple[str, ...]]:
-    """The mesh axes each dim of an array with these logical axes is split over, as Flax resolves the rules: the
-    first rule for the dim's name whose mesh axes no earlier dim uses."""
-    used, out = set(), []
-    for name in logical:
-        axes = next((tuple([a] if isinstance(a, str) else a) for rule, a in rules
-                     if rule == name and not used & set([a] if isinstance(a, str) else a)), ())
-        used |= set(axes)
-        out.append(axes)
-    return out
-
-
-def check_quantized_shards(cfg, shape: dict) -> None:
-    """MXFP8 quantizes each device's shard of a weight (TE's dense() quantizes before it gathers): the shard's
-    last contracted dim and its last dim must each hold whole blocks of 32."""
-    if cfg.quantization != "te_mxfp8":
-        return
-    for name, weight in dense_weights(cfg).items():
-        axes = mesh_axes_of(weight.logical, cfg.logical_axis_rules)
-        for dim in (weight.contracted - 1, len(weight.shape) - 1):
-            split = math.prod(shape[a] for a in axes[dim])
-            if (weight.shape[dim] // split) % 32:
-                raise ConfigError(
-                    f"quantization=te_mxfp8: {name}'s {weight.logical[dim]} dim of {weight.shape[dim]} is split "
-                    f"over {' x '.join(axes[dim])} ({split} shards of {weight.shape[dim] // split}) and MXFP8 "
-                    f"quantizes each shard in blocks of 32 (set by {weight.keys}); change logical_axis_rules for "
-                    f"{weight.logical[dim]} or the mesh, or use quantization=te_fp8_currentscaling")
 
 
 def check_tensor_split(cfg, tensor: int) -> None:
