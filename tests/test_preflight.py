@@ -54,6 +54,9 @@ def test_every_gpu_recipe_passes(recipe):
      "--xla_gpu_enable_nccl_symmetric_buffers"),
     ("mxfp8 on Hopper", ["gpu_profile=h100-sxm", "te_gmm_quantization=mxfp8"], "quantization",
      "te_gmm_quantization=mxfp8 needs a Blackwell GPU"),
+    ("mxfp8 dense GEMMs on Hopper", ["gpu_profile=h100-sxm", "te_gmm_quantization=fp8_current",
+                                     "quantization=te_mxfp8"], "quantization",
+     "quantization=te_mxfp8 needs a Blackwell GPU"),
     ("partial hosts", ["num_devices=126"], "devices", "use a multiple of 4"),
     ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
 ])

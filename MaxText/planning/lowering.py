@@ -95,7 +95,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
     from MaxText.step.state import state_spec
     from MaxText.step.train_step import jit_train_step
 
-    uses_te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    uses_te = te_runtime.uses_te(cfg) is not None
     sm = GPU_PROFILES[cfg.gpu_profile].sm if cfg.gpu_profile else 90
     if uses_te:
         te_trace.install(sm)
