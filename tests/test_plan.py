@@ -187,3 +187,18 @@ def test_gradient_accumulation_counts_one_micro_batch_of_activations_and_the_gra
     four = plan.device_bytes(replace(cfg, gradient_accumulation_steps=4), spec, mesh_shape, 8)[0]
     assert four["gradients"] == 2 * one["gradients"] and four["params"] == one["params"]
     assert four["activations"] < 0.3 * one["activations"], (four["activations"], one["activations"])
+
+
+def test_te_dense_fp8_copies_scale_with_the_recipes_bytes():
+    """`quantization` adds TE's FP8 copies of one rematerialised layer's dense GEMMs (inputs and gathered
+    weights, then the cotangents) to the activations and nothing else: linear in the recipe's bytes per element,
+    so MXFP8's copies (two 1-byte layouts plus one E8M0 scale per 32) are FP8's times 1 + 1/32."""
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-gb200-128.yml")
+    none, fp8, mx = (plan.plan(load_config([recipe, f"quantization={q}"]))
+                     for q in ("none", "te_fp8_currentscaling", "te_mxfp8"))
+    added = {name: p["bytes"]["activations"] - none["bytes"]["activations"] for name, p in (("fp8", fp8), ("mx", mx))}
+    assert added["fp8"] > 2**30, added  # DeepSeek-V3's MLA and shared expert, 6 x 4096 tokens: GiBs
+    assert added["mx"] == pytest.approx(added["fp8"] * (1 + 1 / 32)), added
+    for name in none["bytes"]:
+        if name not in ("activations", "total"):
+            assert fp8["bytes"][name] == none["bytes"][name], name

@@ -42,11 +42,12 @@ def check_te_options(cfg) -> None:
 
 class DenseWeight(NamedTuple):
     """One dense GEMM's weight as the layers declare it: its shape, logical axes, how many leading dims the GEMM
-    contracts (its input width is their product), and the keys that set it."""
+    contracts (its input width is their product), the keys that set it, and how many such weights a layer has."""
     shape: tuple
     logical: tuple
     contracted: int
     keys: str
+    count: int = 1
 
     @property
     def widths(self) -> tuple[int, int]:
@@ -78,7 +79,7 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
         out = {"the query projection": w((d, h, k), ("embed", "heads", "head_dim"), 1,
                                          "base_emb_dim, base_num_query_heads, head_dim"),
                "the key and value projections": w((d, n, k), ("embed", "kv_heads", "head_dim"), 1,
-                                                  "base_num_kv_heads, head_dim"),
+                                                  "base_num_kv_heads, head_dim", 2),
                "the output projection": w((h, k, d), ("heads", "head_dim", "embed"), 2,
                                           "base_num_query_heads, head_dim")}
     moe = cfg.num_experts > 1  # else every layer is dense (load.layer_counts)
@@ -88,7 +89,7 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
             if cfg.shared_experts and moe else None}
     for name, mlp in mlps.items():
         if mlp is not None:
-            out[f"{name}'s input projections"] = w((d, mlp[0]), ("embed", "mlp"), 1, f"base_emb_dim, {mlp[1]}")
+            out[f"{name}'s input projections"] = w((d, mlp[0]), ("embed", "mlp"), 1, f"base_emb_dim, {mlp[1]}", 2)
             out[f"{name}'s output projection"] = w((mlp[0], d), ("mlp", "embed"), 1, f"{mlp[1]}, base_emb_dim")
     return out
 

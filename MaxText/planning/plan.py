@@ -30,6 +30,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from MaxText.parallel import sharding
 from MaxText.config.schema import REMAT_TENSOR_NAMES
+from MaxText.config.checks import dense_weights
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size, layer_counts
 from MaxText.layers.attention_cudnn import max_segments
@@ -114,6 +115,18 @@ class LayerTensors(NamedTuple):
         return sum(self.named.values()) + self.other
 
 
+def with_te_dense_copies(cfg, block: LayerTensors, t: int, tp: int, widths) -> LayerTensors:
+    """block plus the FP8 copies TE's dense() makes for `quantization` in its GEMMs of these (input, output)
+    widths (each weight gathered, linear.gathered): in the forward each GEMM's input and weight, kept for its
+    backward; in the backward the output's cotangent, beside the block's working set. Split over the tensor
+    axis as the widths are (taken as even)."""
+    q = TE_FP8_BYTES.get({"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}.get(cfg.quantization))
+    if not q:
+        return block
+    return LayerTensors(block.named, block.other + q * sum(t * i + i * o for i, o in widths) / tp,
+                        block.working + q * sum(t * o for _, o in widths) / tp)
+
+
 def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
     """One attention block on a device with t tokens in b sequences."""
     d, h, length = cfg.base_emb_dim, cfg.base_num_query_heads // tp, cfg.max_target_length
@@ -144,14 +157,17 @@ def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
         other += b * max_segments(length) * h * length * 4
         if cfg.attention_type == "mla" and qk > v:
             other += t * h * qk * a
-    return LayerTensors(named, other, working)
+    projections = [w.widths for name, w in dense_weights(cfg).items()
+                   if not name.startswith(("the dense MLP", "the shared experts")) for _ in range(w.count)]
+    return with_te_dense_copies(cfg, LayerTensors(named, other, working), t, tp, projections)
 
 
 def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
     d, f = cfg.base_emb_dim, width // tp
     # mlpwo is not among them: its output only joins the residual stream, which no backward reads.
     named = {"mlpwi_0": t * f * a, "mlpwi_1": t * f * a}
-    return LayerTensors(named, t * f * a + t * d * a, 2 * t * f * a)  # silu(gate) * up, the norm
+    block = LayerTensors(named, t * f * a + t * d * a, 2 * t * f * a)  # silu(gate) * up, the norm
+    return with_te_dense_copies(cfg, block, t, tp, [(d, width), (d, width), (width, d)])
 
 
 def dispatch_rows(cfg, t: int, ep: int) -> int:
