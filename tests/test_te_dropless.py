@@ -264,6 +264,57 @@ def test_te_grouped_gemm_forward_and_backward_with_padded_tail(name):
     check_grouped_gemm(grouped_gemm, name, f"TE grouped GEMM, {name}")
 
 
+# TE's dense() (the API the dense layers' GEMMs go through under upstream's `quantization`), forward and both
+# gradients with a bias, against float64. Tolerances as max|got - want| / max|want|: bf16 rounding; FP8 as the
+# grouped GEMM's (e4m3 forward, e5m2 gradients; MXFP8 e4m3 both ways). Measured: none 2.6e-3, fp8_current
+# 0.033 / 0.047 / 0.051 (y, dx, dw) at either SM, mxfp8 0.034 / 0.038 / 0.034; dbias (a float32 sum) 2.3e-3 (on
+# CPU, TE's Python over MaxText/planning/te_reference.py's kernels). A scale read for the neighbouring block fails
+# it (O(1) errors).
+DENSE_TOLERANCES = {"none": (1e-2,) * 3, "fp8_current": (0.1, 0.15, 0.15), "mxfp8": (0.1,) * 3}
+
+
+def dense_inputs():
+    """x [4, 32, 96], w [96, 128], bias [128], cotangent [4, 32, 128]: normal values whose magnitude changes from
+    one 32 x 32 tile to the next (2^-2 .. 2^1), so that a block scale read for the wrong block, or along the
+    wrong axis, is off by a factor of 2 or more."""
+    rng = np.random.default_rng(2)
+
+    def tiled(*shape):
+        r, c = np.indices(shape[-2:]) // 32
+        return rng.normal(size=shape) * 2.0 ** ((r + 2 * c) % 4 - 2)
+
+    return (jnp.asarray(tiled(4, 32, 96), jnp.bfloat16), jnp.asarray(tiled(96, 128) / 8, jnp.bfloat16),
+            jnp.asarray(rng.normal(size=128), jnp.bfloat16), jnp.asarray(tiled(4, 32, 128), jnp.bfloat16))
+
+
+def check_dense(quantization: str, label: str):
+    """TE's dense() with a bias and te_kernels' quantizer set for `quantization`, forward and gradients
+    (dense_inputs), against float64 at DENSE_TOLERANCES."""
+    te = te_kernels.kernels(tiny_config("moe_impl=te_dropless")).te
+    quantizers = te_kernels.quantizer_set(te, quantization, 1)
+    x, w, b, ct = dense_inputs()
+
+    def forward_and_back(x, w, b, ct):  # jitted afresh per check: eager TE ops would keep a cached lowering
+        y, vjp = jax.vjp(lambda *a: te["dense"].dense(*a, contracting_dims=((2,), (0,)), quantizer_set=quantizers),
+                         x, w, b)
+        return (y, *vjp(ct))
+
+    got = [np.asarray(a, np.float64) for a in jax.jit(forward_and_back)(x, w, b, ct)]
+    x, w, b, ct = (np.asarray(a, np.float64) for a in (x, w, b, ct))
+    want = (x @ w + b, ct @ w.T, np.einsum("bsd,bsf->df", x, ct), ct.sum((0, 1)))
+    for name, g, r, tol in zip(("y", "dx", "dw", "dbias"), got, want, (*DENSE_TOLERANCES[quantization], 1e-2)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=tol * np.max(np.abs(r)), err_msg=f"{label}: {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", DENSE_TOLERANCES)
+def test_te_dense_matches_float64(quantization):
+    """TE's dense GEMM as the dense layers call it under `quantization` (linear.dense_gemm: te_kernels' quantizer
+    set), forward, both gradients and the bias gradient, at the tolerances the CPU run of TE's Python set."""
+    skip_unless_supported(quantization)
+    check_dense(quantization, f"TE dense on GPU, {quantization}")
+
+
 def grouped_dense_as_called_before(x, w, sizes, quantization):
     """te_kernels._te_grouped_gemm without its empty-experts-last order: TE's grouped_dense called plainly."""
     te = te_kernels.kernels(tiny_config("moe_impl=te_dropless")).te

@@ -136,45 +136,8 @@ def test_te_tensor_scaled_gemm_misreads_scales_after_an_empty_expert(at_sm, sm):
 
 # ------------------------------------------------------------------------------------------- dense GEMM
 
-# TE's dense() (the API the dense layers' GEMMs go through under upstream's `quantization`), forward and both
-# gradients with a bias, against float64. Tolerances as max|got - want| / max|want|: bf16 rounding; FP8 as the
-# grouped GEMM's (e4m3 forward, e5m2 gradients; MXFP8 e4m3 both ways). Measured: none 2.6e-3, fp8_current
-# 0.033 / 0.047 / 0.051 (y, dx, dw) at either SM, mxfp8 0.034 / 0.038 / 0.034; dbias (a float32 sum) 2.3e-3. A
-# scale read for the neighbouring block fails it (O(1) errors).
-DENSE_CASES = {(90, "none"): (1e-2,) * 3, (90, "fp8_current"): (0.1, 0.15, 0.15),
-               (100, "fp8_current"): (0.1, 0.15, 0.15), (100, "mxfp8"): (0.1,) * 3}
-
-
-def dense_inputs():
-    """x [4, 32, 96], w [96, 128], bias [128], cotangent [4, 32, 128]: normal values whose magnitude changes from
-    one 32 x 32 tile to the next (2^-2 .. 2^1), so that a block scale read for the wrong block, or along the
-    wrong axis, is off by a factor of 2 or more."""
-    rng = np.random.default_rng(2)
-
-    def tiled(*shape):
-        r, c = np.indices(shape[-2:]) // 32
-        return rng.normal(size=shape) * 2.0 ** ((r + 2 * c) % 4 - 2)
-
-    return (jnp.asarray(tiled(4, 32, 96), jnp.bfloat16), jnp.asarray(tiled(96, 128) / 8, jnp.bfloat16),
-            jnp.asarray(rng.normal(size=128), jnp.bfloat16), jnp.asarray(tiled(4, 32, 128), jnp.bfloat16))
-
-
-def check_dense(quantization: str, tols, label: str):
-    from transformer_engine.jax import dense
-
-    te = te_kernels.kernels(tiny_config("moe_impl=te_dropless")).te
-    quantizers = te_kernels.quantizer_set(te, quantization, 1)
-    x, w, b, ct = dense_inputs()
-
-    def forward_and_back(x, w, b, ct):  # jitted afresh per check: eager TE ops would keep a cached lowering
-        y, vjp = jax.vjp(lambda *a: dense.dense(*a, contracting_dims=((2,), (0,)), quantizer_set=quantizers), x, w, b)
-        return (y, *vjp(ct))
-
-    got = [np.asarray(a, np.float64) for a in jax.jit(forward_and_back)(x, w, b, ct)]
-    x, w, b, ct = (np.asarray(a, np.float64) for a in (x, w, b, ct))
-    want = (x @ w + b, ct @ w.T, np.einsum("bsd,bsf->df", x, ct), ct.sum((0, 1)))
-    for name, g, r, tol in zip(("y", "dx", "dw", "dbias"), got, want, (*tols, 1e-2)):
-        np.testing.assert_allclose(g, r, rtol=0, atol=tol * np.max(np.abs(r)), err_msg=f"{label}: {name}")
+# TE's dense GEMM: the GPU test's check and tolerances (tests/test_te_dropless.py check_dense), at each SM.
+DENSE_CASES = [(90, "none"), (90, "fp8_current"), (100, "fp8_current"), (100, "mxfp8")]
 
 
 @pytest.mark.parametrize("sm,quantization", DENSE_CASES)
@@ -183,7 +146,7 @@ def test_te_dense_runs_on_cpu(at_sm, sm, quantization):
     te_dropless builds for its experts: bf16, tensor-scaled FP8 (at SM 90 the NT-only layouts, TE's transposed
     copies; at SM 100 its rowwise-only ones) and MXFP8 (the block scales TE's Python swizzles itself)."""
     at_sm(sm)
-    check_dense(quantization, DENSE_CASES[sm, quantization], f"TE dense on CPU, SM {sm}, {quantization}")
+    gpu_tests.check_dense(quantization, f"TE dense on CPU, SM {sm}, {quantization}")
 
 
 # ------------------------------------------------------------------------------------------- fused router
@@ -301,7 +264,7 @@ def _dense_check(sm, quantization):
     def check():
         te_trace.set_sm(sm)
         try:
-            check_dense(quantization, DENSE_CASES[sm, quantization], quantization)
+            gpu_tests.check_dense(quantization, quantization)
         finally:
             te_trace.set_sm(90)
     return check
