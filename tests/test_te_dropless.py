@@ -330,8 +330,8 @@ def grouped_dense_as_called_before(x, w, sizes, quantization):
 def test_te_tensor_scaled_gemm_misreads_scales_after_an_empty_expert():
     """TE 2.20's V1 grouped GEMM steps its tensor-scale pointers only past non-empty GEMMs (csrc/extensions/gemm.cpp)
     while the weights carry a scale per expert, so called plainly it computes every expert after an empty one with
-    an earlier expert's weight scale (MaxText/planning/te_reference.py's module doc). This expects that failure; when it passes, TE has fixed it
-    and te_kernels._te_grouped_gemm's empty-experts-last order can go."""
+    an earlier expert's weight scale (MaxText/planning/te_layouts.py). This expects that failure; when it passes, TE
+    has fixed it and te_kernels._te_grouped_gemm's empty-experts-last order can go."""
     skip_unless_supported("fp8_current")
     with pytest.raises(AssertionError, match="fp8_current: y"):
         check_grouped_gemm(grouped_dense_as_called_before, "fp8_current", "fp8_current")

@@ -21,7 +21,7 @@ import pytest
 
 from MaxText.layers.moe import te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
-from MaxText.planning import te_reference, te_trace
+from MaxText.planning import te_layouts, te_reference, te_trace
 from tests import test_te_dropless as gpu_tests, test_te_trace as trace_tests
 from tests.tiny import tiny_config
 
@@ -93,7 +93,7 @@ def test_te_mxfp8_gemm_below_128_multiples_takes_v1(at_sm, monkeypatch, dims, v2
 
 @pytest.mark.parametrize("colwise", [False, True])
 def test_mxfp8_block_scales_round_trip_without_overlap(on_cpu, colwise):
-    """The MXFP8 scale layout the quantize and GEMM references share (module doc): uneven groups (empty ones, a
+    """The MXFP8 scale layout the quantize and GEMM references share (te_layouts.py): uneven groups (empty ones, a
     group of 32 rows, none a multiple of 128) dequantize back to the input within E4M3's rounding, block by block
     at its own power of two (values spanning 2^-20 to 2^20); no two blocks share a scale byte, and the groups'
     padded matrices fit the buffer TE's Python allocates (its get_grouped_scale_shape_2x)."""
@@ -106,20 +106,20 @@ def test_mxfp8_block_scales_round_trip_without_overlap(on_cpu, colwise):
         32, 1).repeat(32, 3).reshape(rows, cols)
     room = ScalingMode.MXFP8_1D_SCALING.get_grouped_scale_shape_2x((rows, cols), 6, is_padded=True, flatten_axis=-1)
     buffer = int(np.prod(room[1 if colwise else 0]))
-    data, scales = te_reference._mx_quantize(jnp.asarray(x, jnp.float32), sizes, jnp.float8_e4m3fn, colwise,
+    data, scales = te_layouts.mx_quantize(jnp.asarray(x, jnp.float32), sizes, jnp.float8_e4m3fn, colwise,
                                              buffer, zero_all=False)
-    back = np.asarray(te_reference._mx_dequantize(data, scales, sizes, rows, cols, colwise))
+    back = np.asarray(te_layouts.mx_dequantize(data, scales, sizes, rows, cols, colwise))
     # E4M3 keeps 3 mantissa bits (half an ulp: 2^-4 relative); elements far below their block's largest fall
     # into its subnormals, whose step is 2^-9 of the block's power of two (< 2^-16 of the block's largest)
     blocks = np.abs(x).reshape(rows // 32, 32, cols) if colwise else np.abs(x).reshape(rows, cols // 32, 32)
     block_max = np.broadcast_to(blocks.max(axis=1 if colwise else 2, keepdims=True), blocks.shape).reshape(rows, cols)
     assert np.all(np.abs(back - x) <= 2.0 ** -4 * np.abs(x) + 2.0 ** -16 * block_max), "MXFP8 round trip"
-    positions, used = te_reference._mx_scale_positions(sizes, rows, cols, colwise)
+    positions, used = te_layouts.mx_scale_positions(sizes, rows, cols, colwise)
     positions = np.asarray(positions).reshape(-1)
     assert len(set(positions.tolist())) == positions.size, "two blocks share a scale byte"
     assert positions.max() < int(used) <= buffer, (positions.max(), int(used), buffer)
     written = np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8))
-    assert (written[int(used):] == te_reference.E8M0_NAN).all(), "bytes past the groups' matrices are unwritten (NaN)"
+    assert (written[int(used):] == te_layouts.E8M0_NAN).all(), "bytes past the groups' matrices are unwritten (NaN)"
 
 
 @pytest.mark.parametrize("sm", [90, 100])
@@ -225,12 +225,12 @@ def _broken_mxfp8_gemm(lhs, lhs_sinv, rhs, rhs_sinv, *args, **params):
 def _mx_exponent_one_less(reference, *args, **params):
     """reference(*args, **params) with every MXFP8 block's power of two one step too small (its largest elements
     saturate). The reference runs while TE's primitive is lowered: inside this call."""
-    exponent = te_reference._e8m0_exponent
+    exponent = te_layouts.e8m0_exponent
     try:
-        te_reference._e8m0_exponent = lambda amax, fp8_max: exponent(amax, fp8_max) - 1
+        te_layouts.e8m0_exponent = lambda amax, fp8_max: exponent(amax, fp8_max) - 1
         return reference(*args, **params)
     finally:
-        te_reference._e8m0_exponent = exponent
+        te_layouts.e8m0_exponent = exponent
 
 
 def _broken_mxfp8_quantize(*args, **params):
@@ -238,12 +238,15 @@ def _broken_mxfp8_quantize(*args, **params):
     return _mx_exponent_one_less(te_reference.grouped_quantize, *args, **params)
 
 
-def _mxfp8_check():
-    te_trace.set_sm(100)
-    try:
-        gpu_tests.check_grouped_gemm(_te_gemm(), "mxfp8", "mxfp8")
-    finally:
-        te_trace.set_sm(90)
+def _at_sm(sm, check):
+    """check, run with the stand-in at this SM (and back at 90 after)."""
+    def run():
+        te_trace.set_sm(sm)
+        try:
+            check()
+        finally:
+            te_trace.set_sm(90)
+    return run
 
 
 def _broken_dense_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, *args, **params):
@@ -261,25 +264,21 @@ def _broken_dense_quantize(*args, **params):
 
 
 def _dense_check(sm, quantization):
-    def check():
-        te_trace.set_sm(sm)
-        try:
-            gpu_tests.check_dense(quantization, quantization)
-        finally:
-            te_trace.set_sm(90)
-    return check
+    return _at_sm(sm, lambda: gpu_tests.check_dense(quantization, quantization))
 
 
+_MXFP8_CHECK = _at_sm(100, lambda: gpu_tests.check_grouped_gemm(_te_gemm(), "mxfp8", "mxfp8"))
 BIAS_CASE = "DeepSeek-V3: sigmoid with bias, 8 groups keep 4, scaled"
 MUTATIONS = {  # name -> (TE primitive, its broken reference, the check that must fail)
     "GroupedGemmPrimitive": ("GroupedGemmPrimitive", _broken_gemm,
                              lambda: gpu_tests.check_grouped_gemm(_te_gemm(), "bf16", "bf16")),
-    "GroupedGemmPrimitive, MXFP8": ("GroupedGemmPrimitive", _broken_mxfp8_gemm, _mxfp8_check),
+    "GroupedGemmPrimitive, MXFP8": ("GroupedGemmPrimitive", _broken_mxfp8_gemm, _MXFP8_CHECK),
     "GroupedQuantizePrimitive": ("GroupedQuantizePrimitive", _broken_quantize, lambda: gpu_tests.check_grouped_gemm(
         _te_gemm(), "fp8_current", "fp8_current")),
-    "GroupedQuantizePrimitive, MXFP8": ("GroupedQuantizePrimitive", _broken_mxfp8_quantize, _mxfp8_check),
+    "GroupedQuantizePrimitive, MXFP8": ("GroupedQuantizePrimitive", _broken_mxfp8_quantize, _MXFP8_CHECK),
     "GemmPrimitive": ("GemmPrimitive", _broken_dense_gemm, _dense_check(90, "none")),
-    "BaseDBiasQuantizePrimitive": ("BaseDBiasQuantizePrimitive", _broken_dense_quantize, _dense_check(90, "fp8_current")),
+    "BaseDBiasQuantizePrimitive": ("BaseDBiasQuantizePrimitive", _broken_dense_quantize,
+                                   _dense_check(90, "fp8_current")),
     "BaseDBiasQuantizePrimitive, MXFP8": ("BaseDBiasQuantizePrimitive", _broken_dense_quantize,
                                           _dense_check(100, "mxfp8")),
     "FusedTopkWithScoreFunctionFwdPrimitive": ("FusedTopkWithScoreFunctionFwdPrimitive", _broken_router_forward,

@@ -23,26 +23,8 @@ Kernels covered (TE primitive -> reference):
     GemmPrimitive (GemmV2FFI, nvte_cublas_gemm_v2): the dense GEMM, no scaling, tensor scaling, MXFP8, bias
     BaseDBiasQuantizePrimitive (DBiasQuantizeFFI; DBiasQuantizePrimitive and QuantizePrimitive bind it): tensor
         scaling and MXFP8, rowwise / colwise / both, the bias gradient
-Layout facts the references follow (C++ only, not readable from TE's Python):
-    * tensor-scaled colwise data is each group's [rows_g, cols] block transposed, the blocks back to back;
-    * tensor-scaled scale_inv (and amax) hold one entry per NON-EMPTY group, in order: the quantizer does
-      not advance its scale_inv pointer for an empty group, and the V1 GEMM advances both operands' scale
-      pointers only for a non-empty GEMM. The weights' scale_inv (quantized per expert, no empty group)
-      is read with that same pointer, so after an empty group the V1 GEMM reads a previous expert's
-      weight scale (gemm.cpp: "If is_empty_gemm, scale_inv does not have the corresponding value, do not
-      move the pointers"). The reference does what the C++ does; the tests show what that costs.
-    * MXFP8 data is in x's own [rows, cols] order for both copies: rowwise scales one per 32 elements along
-      cols, colwise one per 32 rows (quantization.cpp: only tensor scaling transposes the colwise copy). Each
-      non-empty group's scales are a [rows_g, cols/32] (rowwise) or [rows_g/32, cols] (colwise) matrix padded
-      to TE's 128 x 4 alignment (misc.cpp get_block_scale_shape), the groups' padded blocks back to back, in
-      the layout the GEMM consumes ("pre-swizzled": the quantize kernels write it, the GEMM reads it as is).
-      The grouped swizzle happens in TE's CUDA kernels; the reference uses the 128 x 4 tile layout that TE's
-      Python itself applies for the dense GEMM (gemm.py swizzled_scale: [rows/128, 4, 32, cols/4, 4] ->
-      [rows/128, cols/4, 32, 4, 4]; colwise on the transposed matrix), which is cuBLAS's documented layout.
-      For the grouped path what the tests prove is the round trip (quantize -> GEMM) through TE's Python.
-    * A dense MXFP8 quantize writes its scales as the plain padded matrix (TE's Python swizzles them in
-      GemmPrimitive.impl before the kernel); tensor scaling's colwise copy is x transposed at flatten_axis
-      where TE's ScalingMode says so.
+The layouts the references read and write, as TE's C++ and Python lay out grouped operands and their
+scales (with what that costs, such as TE 2.20's tensor-scale misread after an empty expert): te_layouts.py.
 """
 
 from __future__ import annotations
@@ -53,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.planning import te_trace
+from MaxText.planning import te_layouts as layouts, te_trace
 
 REFERENCES = {}  # TE primitive class name -> reference(*operands, **params) -> outputs (TE's avals)
 
@@ -117,42 +99,6 @@ def _nan(shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
-def _group_of_rows(group_sizes, rows: int):
-    """Group index of each of `rows` rows laid out group after group; rows past the groups get G."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
-
-
-def _compacted_index(group_sizes):
-    """For each group, its index among the non-empty groups (where TE's tensor scales for it are)."""
-    nonempty = (group_sizes > 0).astype(jnp.int32)
-    return jnp.cumsum(nonempty) - nonempty
-
-
-def _block_transposed_index(group_sizes, rows: int, cols: int):
-    """[rows, cols] flat positions of a [rows, cols] matrix (groups of rows one after another) when TE stores
-    each group's rows as one [cols, rows_g] block, the blocks back to back (rows past the groups as one more)."""
-    sizes = group_sizes.astype(jnp.int32)
-    g = _group_of_rows(sizes, rows)
-    sizes_t = jnp.concatenate([sizes, jnp.array([rows], jnp.int32) - jnp.sum(sizes, keepdims=True)])
-    starts = jnp.cumsum(sizes_t) - sizes_t
-    r = jnp.arange(rows)[:, None]
-    c = jnp.arange(cols)[None, :]
-    return starts[g][:, None] * cols + c * sizes_t[g][:, None] + (r - starts[g][:, None])
-
-
-def _block_transposed_rows(flat, group_sizes, rows: int, cols: int):
-    """The [rows, cols] matrix stored as per-group transposed blocks (_block_transposed_index) in `flat`."""
-    return flat.reshape(-1)[_block_transposed_index(group_sizes, rows, cols)]
-
-
-def _to_block_transposed(matrix, group_sizes):
-    """A [rows, cols] matrix as per-group transposed blocks, flat (the inverse of _block_transposed_rows)."""
-    rows, cols = matrix.shape
-    index = _block_transposed_index(group_sizes, rows, cols)
-    return jnp.zeros((rows * cols,), matrix.dtype).at[index.reshape(-1)].set(matrix.reshape(-1))
-
-
 # ------------------------------------------------------------------------------------------- grouped GEMM
 
 
@@ -167,98 +113,6 @@ def _scaling(scaling_mode) -> str:
     if mode == ScalingMode.MXFP8_1D_SCALING:
         return "mxfp8"
     raise NotImplementedError(f"te_reference: no reference for {mode}")
-
-
-# ------------------------------------------------------------------------------------------- MXFP8 blocks
-
-MX_BLOCK = 32  # elements sharing one E8M0 scale
-E8M0_BIAS, E8M0_NAN = 127, 255
-
-
-def _up(a, b):
-    return (a + b - 1) // b * b
-
-
-def _e8m0_exponent(amax, fp8_max: float):
-    """The power of two each block is divided by, as TE chooses it: amax / fp8_max rounded UP to a power of two
-    (so the block's largest element lands at or just below the FP8 maximum), an all-zero block 2^-127; the
-    exponent clamped to E8M0's range (-127 .. 127)."""
-    ratio = amax.astype(jnp.float32) / fp8_max
-    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
-    up = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power of two stays
-    return jnp.clip(jnp.where(ratio > 0, up, -E8M0_BIAS), -E8M0_BIAS, E8M0_BIAS).astype(jnp.int32)
-
-
-def _mx_tile_position(r, c, cols_padded):
-    """Flat position of element (r, c) of a scale matrix with cols_padded (a multiple of 4) columns in cuBLAS's
-    block-scaling layout: 128 x 4 tiles, row-major over tiles, each tile's 512 bytes as [32][4 row quarters][4]."""
-    tile = (r // 128) * (cols_padded // 4) + c // 4
-    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-
-
-def _mx_scale_positions(row_sizes, rows: int, cols: int, colwise: bool):
-    """[rows, cols // 32] (rowwise) or [rows // 32, cols] (colwise) flat positions of each block's scale in the
-    grouped scale buffer (module doc): each group's matrix padded to 128 x 4 (colwise: its transpose, [cols,
-    rows_g / 32]), the groups' padded matrices back to back, empty groups taking no room. Also the buffer size
-    the groups use."""
-    sizes = row_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
-    if colwise:
-        blocks_g = sizes // MX_BLOCK
-        padded_cols_g = _up(blocks_g, 4)  # per group, the transposed matrix's columns
-        room_g = padded_cols_g * _up(cols, 128)
-        offsets = jnp.cumsum(room_g) - room_g
-        b = jnp.arange(rows // MX_BLOCK)[:, None]
-        g = jnp.minimum(_group_of_rows(sizes, rows)[b[:, 0] * MX_BLOCK], sizes.shape[0] - 1)[:, None]
-        local_block = b - starts[g] // MX_BLOCK
-        c = jnp.arange(cols)[None, :]
-        return offsets[g] + _mx_tile_position(c, local_block, padded_cols_g[g]), jnp.sum(room_g)
-    cols_padded = _up(cols // MX_BLOCK, 4)
-    room_g = _up(sizes, 128) * cols_padded
-    offsets = jnp.cumsum(room_g) - room_g
-    r = jnp.arange(rows)[:, None]
-    g = jnp.minimum(_group_of_rows(sizes, rows), sizes.shape[0] - 1)[:, None]
-    c = jnp.arange(cols // MX_BLOCK)[None, :]
-    return offsets[g] + _mx_tile_position(r - starts[g], c, cols_padded), jnp.sum(room_g)
-
-
-def _mx_plain_positions(rows: int, cols: int, colwise: bool):
-    """[rows, cols // 32] (rowwise) or [rows // 32, cols] (colwise) positions of the block scales in a dense
-    quantize's scale tensor: the plain row-major matrix padded to 128 x 4 (colwise 4 x 128), as TE's Python
-    reads it (get_scale_shape, is_padded) and swizzles it itself before the GEMM (gemm.py swizzled_scale)."""
-    if colwise:
-        return jnp.arange(rows // MX_BLOCK)[:, None] * _up(cols, 128) + jnp.arange(cols)[None, :]
-    return jnp.arange(rows)[:, None] * _up(cols // MX_BLOCK, 4) + jnp.arange(cols // MX_BLOCK)[None, :]
-
-
-def _mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero_all: bool, plain: bool = False):
-    """x2 [rows, cols] in MXFP8: (data [rows * cols] in x2's order, the E8M0 scale buffer [buffer_size]). The
-    grouped kernels zero the scale bytes the groups use (V2: the whole buffer); the rest is unwritten (NaN).
-    plain: one matrix in a dense quantize's layout (_mx_plain_positions), its padding unwritten."""
-    rows, cols = x2.shape
-    fp8_max = float(jnp.finfo(out_dtype).max)
-    blocks = (x2.reshape(rows // MX_BLOCK, MX_BLOCK, cols) if colwise
-              else x2.reshape(rows, cols // MX_BLOCK, MX_BLOCK))
-    exponent = _e8m0_exponent(jnp.max(jnp.abs(blocks), axis=1 if colwise else 2), fp8_max)
-    inverse = jnp.ldexp(jnp.float32(1), -exponent)  # 2^127 at most; 2^-127 itself would be flushed to 0 on CPU
-    q = jnp.clip(blocks * (inverse[:, None, :] if colwise else inverse[:, :, None]), -fp8_max, fp8_max)
-    if plain:
-        positions, used = _mx_plain_positions(rows, cols, colwise), 0
-    else:
-        positions, used = _mx_scale_positions(row_sizes, rows, cols, colwise)
-    fill = jnp.where(zero_all | (jnp.arange(buffer_size) < used), 0, E8M0_NAN).astype(jnp.uint8)
-    scales = fill.at[positions.reshape(-1)].set((exponent + E8M0_BIAS).astype(jnp.uint8).reshape(-1), mode="drop")
-    return q.astype(out_dtype).reshape(-1), jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
-
-
-def _mx_dequantize(data, scale_inv, row_sizes, rows: int, cols: int, colwise: bool):
-    """The float32 [rows, cols] matrix an MXFP8 operand stands for: data (x's order) times each block's 2^e read
-    from the grouped scale buffer at _mx_scale_positions (a NaN byte, unwritten, gives NaN)."""
-    positions, _ = _mx_scale_positions(row_sizes, rows, cols, colwise)
-    byte = jax.lax.bitcast_convert_type(scale_inv, jnp.uint8).reshape(-1)[positions]
-    factor = jnp.where(byte == E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1), byte.astype(jnp.int32) - E8M0_BIAS))
-    factor = jnp.repeat(factor, MX_BLOCK, axis=0 if colwise else 1)
-    return data.reshape(rows, cols).astype(jnp.float32) * factor
 
 
 @reference("GroupedGemmCopySizesPrimitive")
@@ -278,10 +132,10 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     group g's lhs block is [k_g, m] (lhs_is_trans) or [m, k_g], its rhs block [n, k_g] (rhs_is_trans) or
     [k_g, n], each stored contiguously, out[g] = [m, n]. Otherwise lhs is [m_g, k] rows, rhs [G, n, k] or
     [G, k, n], out [M, n]. sum(group sizes) must be the ragged extent (else it raises: all-NaN here), an
-    empty group's output is zeroed, FP8 on SM < 100 must be NT. Tensor scales: see the module doc.
+    empty group's output is zeroed, FP8 on SM < 100 must be NT. Tensor scales: te_layouts.py.
     V2 (nvte_grouped_gemm): the same products; the groups may stop short of the buffer (rows past them are
     not written: NaN), alpha scales each group. MXFP8 (both paths): each operand dequantized from its 32-element
-    blocks (module doc), the contraction in float32; V1 moves the block-scale pointers past empty GEMMs too.
+    blocks (te_layouts.py), the contraction in float32; V1 moves the block-scale pointers past empty GEMMs too.
     """
     del bias, out_first, out_last, lhs_axis_boundary, rhs_axis_boundary, use_async_d2h_group_sizes
     if has_bias:
@@ -300,7 +154,7 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     if rhs_ragged:
         n = rhs_left_size if rhs_is_trans else rhs_right_size
         a, b = _ragged_k_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, (k, m, n), lhs_is_trans, rhs_is_trans, scaling)
-        onehot = (_group_of_rows(sizes, k)[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
+        onehot = (layouts.group_of_rows(sizes, k)[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
         out = jnp.einsum("km,kn,kg->gmn", a, b, onehot, precision=hi)
         ragged_extent = k
     else:
@@ -308,7 +162,7 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
         if lhs_is_trans:
             raise NotImplementedError("te_reference: grouped GEMM with a transposed ragged-row lhs")
         a, w = _ragged_m_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, (m, k, n), rhs_is_trans, scaling)
-        g_of_row = _group_of_rows(sizes, m)
+        g_of_row = layouts.group_of_rows(sizes, m)
         gc = jnp.minimum(g_of_row, num_gemms - 1)
         per_group = jnp.einsum("mk,gkn->mgn", a, w, precision=hi)
         out = jnp.take_along_axis(per_group, gc[:, None, None], axis=1)[:, 0, :]
@@ -330,13 +184,13 @@ def _ragged_k_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, kmn, lhs_is_trans, r
     if scaling == "mxfp8":  # both operands' colwise copies (x's order), blocks down the ragged k rows
         if not lhs_is_trans or rhs_is_trans:
             raise NotImplementedError("te_reference: MXFP8 grouped GEMM with a ragged rhs in this layout")
-        return (_mx_dequantize(lhs, lhs_sinv, sizes, k, m, colwise=True),
-                _mx_dequantize(rhs, rhs_sinv, sizes, k, n, colwise=True))
-    a = lhs.reshape(k, m) if lhs_is_trans else _block_transposed_rows(lhs, sizes, k, m)
-    b = _block_transposed_rows(rhs, sizes, k, n) if rhs_is_trans else rhs.reshape(k, n)
+        return (layouts.mx_dequantize(lhs, lhs_sinv, sizes, k, m, colwise=True),
+                layouts.mx_dequantize(rhs, rhs_sinv, sizes, k, n, colwise=True))
+    a = lhs.reshape(k, m) if lhs_is_trans else layouts.block_transposed_rows(lhs, sizes, k, m)
+    b = layouts.block_transposed_rows(rhs, sizes, k, n) if rhs_is_trans else rhs.reshape(k, n)
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if scaling == "tensor":  # both operands quantized with these group sizes: compacted scales on both
-        j = _compacted_index(sizes)[jnp.minimum(_group_of_rows(sizes, k), sizes.shape[0] - 1)]
+        j = layouts.compacted_index(sizes)[jnp.minimum(layouts.group_of_rows(sizes, k), sizes.shape[0] - 1)]
         a, b = a * lhs_sinv[j][:, None], b * rhs_sinv[j][:, None]
     return a, b
 
@@ -346,9 +200,9 @@ def _ragged_m_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, mkn, rhs_is_trans, s
     m, k, n = mkn
     num_gemms = sizes.shape[0]
     if scaling == "mxfp8":  # lhs rowwise (blocks along k); each expert's weights blocked along k too
-        a = _mx_dequantize(lhs, lhs_sinv, sizes, m, k, colwise=False)
+        a = layouts.mx_dequantize(lhs, lhs_sinv, sizes, m, k, colwise=False)
         rows_e, cols_e = (n, k) if rhs_is_trans else (k, n)
-        w = _mx_dequantize(rhs, rhs_sinv, jnp.full((num_gemms,), rows_e, jnp.int32), num_gemms * rows_e, cols_e,
+        w = layouts.mx_dequantize(rhs, rhs_sinv, jnp.full((num_gemms,), rows_e, jnp.int32), num_gemms * rows_e, cols_e,
                            colwise=not rhs_is_trans)
     else:
         a, w = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
@@ -357,8 +211,8 @@ def _ragged_m_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, mkn, rhs_is_trans, s
     if scaling == "tensor":
         # lhs: quantized with these group sizes (compacted). rhs: quantized per expert (all present), read with
         # the pointer that the V1 loop advances only past non-empty GEMMs.
-        index = _compacted_index(sizes)
-        a = a * lhs_sinv[index[jnp.minimum(_group_of_rows(sizes, m), num_gemms - 1)]][:, None]
+        index = layouts.compacted_index(sizes)
+        a = a * lhs_sinv[index[jnp.minimum(layouts.group_of_rows(sizes, m), num_gemms - 1)]][:, None]
         w = w * rhs_sinv[index][:, None, None]
     return a, w
 
@@ -371,7 +225,7 @@ def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout
     """GroupedQuantizeFFI (V1), tensor scaling: group g's rows (group_sizes[g] x the non-group dims before
     flatten_axis) cast as x * scale[g] to the FP8 type, saturating; rowwise data in x's order, colwise data
     each group's block transposed; scale_inv = 1 / scale and amax = max|x| of each non-empty group, compacted
-    (module doc), the rest unwritten. The colwise scale_inv is not written (TE's Python reads the rowwise
+    (te_layouts.py), the rest unwritten. The colwise scale_inv is not written (TE's Python reads the rowwise
     one for tensor scaling). sum(group_sizes) must be the rows or x's first dim (else it raises: all NaN)."""
     eff = flatten_axis if flatten_axis >= 0 else flatten_axis + x.ndim
     rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
@@ -384,19 +238,19 @@ def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout
     if _scaling(scaling_mode) != "tensor":
         raise NotImplementedError("te_reference: grouped quantize without scaling")
     num_groups = sizes.shape[0]
-    g = jnp.minimum(_group_of_rows(row_sizes, rows), num_groups - 1)
+    g = jnp.minimum(layouts.group_of_rows(row_sizes, rows), num_groups - 1)
     x2 = x.reshape(rows, cols).astype(jnp.float32)
     fp8_max = float(jnp.finfo(out_dtype).max)
     q = jnp.clip(x2 * scale[g][:, None], -fp8_max, fp8_max).astype(out_dtype)
     ok = (jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])
     q = jnp.where(ok, q, jnp.nan).astype(out_dtype)
     nonempty = sizes > 0
-    slot = jnp.where(nonempty, _compacted_index(sizes), num_groups)  # empty groups write nothing
+    slot = jnp.where(nonempty, layouts.compacted_index(sizes), num_groups)  # empty groups write nothing
     scale_inv = _nan((num_groups,), jnp.float32).at[slot].set(1.0 / scale, mode="drop")
     group_amax = jax.ops.segment_max(jnp.max(jnp.abs(x2), axis=1), g, num_segments=num_groups)
     amax = _nan((num_groups,), jnp.float32).at[slot].set(group_amax, mode="drop")
     rowwise = q.reshape(-1) if q_layout.has_rowwise else _nan((1,), out_dtype)
-    colwise = _to_block_transposed(q, row_sizes) if q_layout.has_colwise else _nan((1,), out_dtype)
+    colwise = layouts.to_block_transposed(q, row_sizes) if q_layout.has_colwise else _nan((1,), out_dtype)
     row_sinv = scale_inv.astype(scale_dtype) if q_layout.has_rowwise else _nan((1,), scale_dtype)
     col_sinv = _nan((num_groups,), scale_dtype) if q_layout.has_colwise else _nan((1,), scale_dtype)
     return rowwise, colwise, row_sinv, col_sinv, amax  # the workspace: _checked
@@ -405,7 +259,7 @@ def grouped_quantize(x, scale, group_sizes, *, out_dtype, scaling_mode, q_layout
 def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scaling_mode, q_layout, flatten_axis):
     """Grouped MXFP8 quantize, V1 (GroupedQuantizeFFI, one nvte_quantize per non-empty group) or V2
     (nvte_group_quantize; TE's Python picks it at SM 100 when every dimension is a multiple of 128): the data in
-    x's order, E8M0 block scales in the grouped, padded, GEMM-ready layout (module doc), a 32-multiple of rows in
+    x's order, E8M0 block scales in the grouped, padded, GEMM-ready layout (te_layouts.py), a 32-multiple of rows in
     every group for the colwise copy and cols a multiple of 32 (else the kernel raises: all NaN here). The amax
     output is written for tensor scaling only (NaN). sum(group_sizes) must be the rows or x's first dim."""
     from transformer_engine.jax.cpp_extensions.quantization import GroupedQuantizePrimitive  # noqa: PLC0415
@@ -415,14 +269,14 @@ def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scali
     row_room, col_room = (int(np.prod(shape)) for shape in ScalingMode(scaling_mode).get_grouped_scale_shape_2x(
         x.shape, sizes.shape[0], is_padded=True, flatten_axis=flatten_axis))
     x2 = x.reshape(rows, cols).astype(jnp.float32)
-    ok = ((jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])) & (cols % MX_BLOCK == 0)
+    ok = ((jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])) & (cols % layouts.MX_BLOCK == 0)
     if q_layout.has_colwise:
-        ok &= jnp.all(row_sizes % MX_BLOCK == 0) & (rows % MX_BLOCK == 0)
+        ok &= jnp.all(row_sizes % layouts.MX_BLOCK == 0) & (rows % layouts.MX_BLOCK == 0)
     x2 = jnp.where(ok, x2, jnp.nan)
     unwritten_data, unwritten_scales = _nan((1,), out_dtype), _nan((1,), jnp.float8_e8m0fnu)
-    rowwise, row_sinv = (_mx_quantize(x2, row_sizes, out_dtype, False, row_room, v2) if q_layout.has_rowwise
+    rowwise, row_sinv = (layouts.mx_quantize(x2, row_sizes, out_dtype, False, row_room, v2) if q_layout.has_rowwise
                          else (unwritten_data, unwritten_scales))
-    colwise, col_sinv = (_mx_quantize(x2, row_sizes, out_dtype, True, col_room, v2) if q_layout.has_colwise
+    colwise, col_sinv = (layouts.mx_quantize(x2, row_sizes, out_dtype, True, col_room, v2) if q_layout.has_colwise
                          else (unwritten_data, unwritten_scales))
     return rowwise, colwise, row_sinv, col_sinv, _nan((sizes.shape[0],), jnp.float32)  # the workspace: _checked
 
@@ -432,14 +286,14 @@ def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scali
 
 def _dense_operand(data, scale_inv, scaling: str, flatten_axis: int, colwise: bool):
     """The float32 array a dense GEMM operand stands for: as is, times its tensor scale_inv, or MXFP8 blocks
-    (the swizzled scales GemmPrimitive's impl hands its kernel: one group, _mx_scale_positions' layout)."""
+    (the swizzled scales GemmPrimitive's impl hands its kernel: one group, layouts.mx_scale_positions' layout)."""
     if scaling == "none":
         return data.astype(jnp.float32)
     if scaling == "tensor":
         return data.astype(jnp.float32) * scale_inv.reshape(-1)[0]
     rows, cols = int(np.prod(data.shape[:flatten_axis])), int(np.prod(data.shape[flatten_axis:]))
     one_group = jnp.array([rows], jnp.int32)
-    return _mx_dequantize(data, scale_inv, one_group, rows, cols, colwise).reshape(data.shape)
+    return layouts.mx_dequantize(data, scale_inv, one_group, rows, cols, colwise).reshape(data.shape)
 
 
 @reference("GemmPrimitive")
@@ -472,7 +326,7 @@ def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dty
     """DBiasQuantizeFFI (nvte_quantize / nvte_quantize_dbias) on x seen as [rows, cols] split at flatten_axis.
     Tensor scaling: x * scale cast (saturating), the colwise copy transposed at flatten_axis where TE's layout
     says so, scale_inv = 1 / scale in the rowwise buffer (the colwise one unwritten), amax = max(amax, max|x|).
-    MXFP8: _mx_quantize in the dense layout, amax passed through. dbias: x summed over the rows, in x's dtype."""
+    MXFP8: layouts.mx_quantize in the dense layout, amax passed through. dbias: x summed over the rows, in x's dtype."""
     from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
 
     del sr_rng_state, post_rht_amax, rht_matrix
@@ -492,7 +346,7 @@ def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dty
         col = (q.T if mode.is_colwise_transposed else q, _nan(col_shape, scale_dtype))
         new_amax = jnp.maximum(amax, jnp.max(jnp.abs(x2)))
     elif scaling == "mxfp8":
-        row, col = (_mx_quantize(x2, None, out_dtype, colwise, int(np.prod(shape)), False, plain=True)
+        row, col = (layouts.mx_quantize(x2, None, out_dtype, colwise, int(np.prod(shape)), False, plain=True)
                     for colwise, shape in ((False, row_shape), (True, col_shape)))
         new_amax = amax
     else:

@@ -114,8 +114,8 @@ def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):
     if quantization == "fp8_current":
         # TE 2.20's V1 grouped GEMM (gemm.cpp GroupedGemmFFI) moves its tensor-scale pointers only past
         # non-empty GEMMs while the weights carry one scale per expert: after an empty expert every later
-        # expert's GEMM reads an earlier expert's weight scale (planning/te_reference.py's module doc). An empty group holds no
-        # rows, so putting the empty experts last (weights gathered to match) moves no token row and leaves
+        # expert's GEMM reads an earlier expert's weight scale (planning/te_layouts.py). An empty group holds
+        # no rows, so putting the empty experts last (weights gathered to match) moves no token row and leaves
         # every non-empty expert's scale where the GEMM reads it.
         order_E = jnp.argsort(group_sizes_E == 0, stable=True)
         sizes_E, w_EDF = group_sizes_E[order_E], w_EDF[order_E]
