@@ -54,9 +54,8 @@ class DenseWeight(NamedTuple):
         return math.prod(self.shape[:self.contracted]), math.prod(self.shape[self.contracted:])
 
 
-def dense_weights(cfg) -> dict[str, DenseWeight]:
-    """The weights of the model's dense GEMMs (the ones `quantization` puts through TE), by the GEMM's name; the
-    layers' own (tests/test_te_reference.py holds this table to their parameters)."""
+def attention_weights(cfg) -> dict[str, DenseWeight]:
+    """The weights of an attention block's projections (GQA or MLA), by the GEMM's name."""
     d, h, w = cfg.base_emb_dim, cfg.base_num_query_heads, DenseWeight
     if cfg.attention_type == "mla":
         qk, rq, rkv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
@@ -82,6 +81,14 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
                                                   "base_num_kv_heads, head_dim", 2),
                "the output projection": w((h, k, d), ("heads", "head_dim", "embed"), 2,
                                           "base_num_query_heads, head_dim")}
+    return out
+
+
+def dense_weights(cfg) -> dict[str, DenseWeight]:
+    """The weights of the model's dense GEMMs (the ones `quantization` puts through TE), by the GEMM's name: the
+    attention projections, the dense MLPs and the shared experts; the layers' own (tests/test_config.py holds
+    this table to their parameters)."""
+    d, w, out = cfg.base_emb_dim, DenseWeight, attention_weights(cfg)
     moe = cfg.num_experts > 1  # else every layer is dense (load.layer_counts)
     mlps = {"the dense MLP": (cfg.base_mlp_dim, "base_mlp_dim") if cfg.first_num_dense_layers > 0 or not moe
             else None,

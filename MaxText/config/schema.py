@@ -93,6 +93,8 @@ DATASET_TYPES = ("tfds", "grain", "hf", "synthetic")
 TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
 QUANTIZATIONS = ("none", "te_fp8_currentscaling", "te_mxfp8")  # upstream's names of TE's recipes
+# quantization -> the te_gmm_quantization of the same TE recipe (te_kernels.quantizer_set's name)
+QUANTIZATION_RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")

@@ -15,20 +15,22 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers import attention_cudnn
-from MaxText.layers.linear import dense_gemm
+from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
 from MaxText.parallel.sharding import constrain
 
 
-# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by.
+# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by (DenseGemms).
 AXES = {"wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
         "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed")}
 
 
-class Attention(nnx.Module):
+class Attention(DenseGemms, nnx.Module):
     """Multi-head attention where N key/value heads each serve H/N query heads."""
+
+    AXES = AXES
 
     def __init__(self, cfg, *, dtype, weight_dtype, rules, rngs: nnx.Rngs):
         d, h, n, k = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
@@ -47,10 +49,6 @@ class Attention(nnx.Module):
         self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
-
-    def _gemm(self, spec, x, name):
-        w = getattr(self, name)[...].astype(self.dtype)
-        return dense_gemm(spec, x, w, self.quantization, AXES[name], self.rules)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         q = checkpoint_name(self._gemm("bld,dhk->blhk", x_BLD, "wq"), "query_proj")

@@ -18,21 +18,23 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.attention import attention
-from MaxText.layers.linear import dense_gemm
+from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies, yarn_mscale
 from MaxText.parallel.sharding import constrain
 
 _HEADS = ("activation_batch", "activation_length", "activation_heads", None)
-# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by.
+# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by (DenseGemms).
 AXES = {"wq_a": ("embed", "q_lora"), "wq_b": ("q_lora", "heads", "head_dim"), "wq": ("embed", "heads", "head_dim"),
         "wkv_a": ("embed", "kv_lora"), "wkv_b": ("kv_lora", "heads", "head_dim"),
         "out": ("heads", "head_dim", "embed")}
 
 
-class MLA(nnx.Module):
+class MLA(DenseGemms, nnx.Module):
     """Multi-head latent attention; same call signature as Attention so a decoder layer can use either."""
+
+    AXES = AXES
 
     def __init__(self, cfg, *, dtype, weight_dtype, rules, rngs: nnx.Rngs):
         d, h = cfg.base_emb_dim, cfg.base_num_query_heads
@@ -63,10 +65,6 @@ class MLA(nnx.Module):
         self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
-
-    def _gemm(self, spec, x, name):
-        w = getattr(self, name)[...].astype(self.dtype)
-        return dense_gemm(spec, x, w, self.quantization, AXES[name], self.rules)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         b, l, _ = x_BLD.shape

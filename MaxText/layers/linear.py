@@ -12,14 +12,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from MaxText.config.schema import QUANTIZATION_RECIPES
 from MaxText.layers.moe.te_kernels import quantizer_set
 from MaxText.layers.moe.te_runtime import import_te
 from MaxText.parallel.checks import DATA_AXES
 from MaxText.parallel.sharding import logical_to_spec
-
-# upstream's `quantization` -> te_kernels' name of the same TE recipe
-RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}
-
 
 def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The contracted positions of an einsum "xs,ws->out" of two operands: (in x, in w)."""
@@ -51,4 +48,15 @@ def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=No
         return jnp.einsum(spec, x, w)
     te = import_te()
     return te["dense"].dense(x, gathered(w, logical, rules), contracting_dims=contracting_dims(spec),
-                             quantizer_set=quantizer_set(te, RECIPES[quantization], 1))
+                             quantizer_set=quantizer_set(te, QUANTIZATION_RECIPES[quantization], 1))
+
+
+class DenseGemms:
+    """For a layer whose projections go through dense_gemm: its class's AXES (weight name -> logical axes, the
+    parameter's own) and its dtype, quantization and rules."""
+
+    AXES: dict = {}
+
+    def _gemm(self, spec: str, x, name: str):
+        w = getattr(self, name)[...].astype(self.dtype)
+        return dense_gemm(spec, x, w, self.quantization, self.AXES[name], self.rules)

@@ -6,17 +6,19 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.linear import dense_gemm
+from MaxText.layers.linear import DenseGemms
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
 
 
-# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by.
+# Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by (DenseGemms).
 AXES = {"wi_0": ("embed", "mlp"), "wi_1": ("embed", "mlp"), "wo": ("mlp", "embed")}
 
 
-class MLP(nnx.Module):
+class MLP(DenseGemms, nnx.Module):
     """The dense MLP of a decoder layer."""
+
+    AXES = AXES
 
     def __init__(self, dim: int, hidden: int, *, dtype, weight_dtype, rules, rngs: nnx.Rngs, quantization="none"):
         self.wi_0 = param(rngs, fan_in_init(0, 1), (dim, hidden), AXES["wi_0"], weight_dtype)
@@ -25,10 +27,6 @@ class MLP(nnx.Module):
         self.quantization = quantization  # upstream's `quantization`: linear.dense_gemm
         self.dtype = dtype
         self.rules = rules
-
-    def _gemm(self, spec, x, name):
-        w = getattr(self, name)[...].astype(self.dtype)
-        return dense_gemm(spec, x, w, self.quantization, AXES[name], self.rules)
 
     def __call__(self, x_BLD):
         gate = checkpoint_name(self._gemm("bld,df->blf", x_BLD, "wi_0"), "mlpwi_0")

@@ -27,7 +27,6 @@ def check_mesh(cfg, shape: dict) -> None:
     check_nccl_ep(cfg, shape)
 
 
-
 def check_tensor_split(cfg, tensor: int) -> None:
     """Tensor parallelism splits heads, MLP widths and the vocabulary: each must divide evenly."""
     if tensor == 1:

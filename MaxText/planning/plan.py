@@ -29,8 +29,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from MaxText.parallel import sharding
-from MaxText.config.schema import REMAT_TENSOR_NAMES
-from MaxText.config.checks import dense_weights
+from MaxText.config.schema import QUANTIZATION_RECIPES, REMAT_TENSOR_NAMES
+from MaxText.config.checks import attention_weights
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import global_batch_size, layer_counts
 from MaxText.layers.attention_cudnn import max_segments
@@ -120,7 +120,7 @@ def with_te_dense_copies(cfg, block: LayerTensors, t: int, tp: int, widths) -> L
     widths (each weight gathered, linear.gathered): in the forward each GEMM's input and weight, kept for its
     backward; in the backward the output's cotangent, beside the block's working set. Split over the tensor
     axis as the widths are (taken as even)."""
-    q = TE_FP8_BYTES.get({"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}.get(cfg.quantization))
+    q = TE_FP8_BYTES.get(QUANTIZATION_RECIPES.get(cfg.quantization))
     if not q:
         return block
     return LayerTensors(block.named, block.other + q * sum(t * i + i * o for i, o in widths) / tp,
@@ -157,8 +157,7 @@ def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
         other += b * max_segments(length) * h * length * 4
         if cfg.attention_type == "mla" and qk > v:
             other += t * h * qk * a
-    projections = [w.widths for name, w in dense_weights(cfg).items()
-                   if not name.startswith(("the dense MLP", "the shared experts")) for _ in range(w.count)]
+    projections = [w.widths for w in attention_weights(cfg).values() for _ in range(w.count)]
     return with_te_dense_copies(cfg, LayerTensors(named, other, working), t, tp, projections)
 
 

@@ -290,7 +290,8 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
     t = {}
     quantized = m.quantizable_gemm_flops if lay.dense_precision else 0.0
     t["dense_gemm"] = tokens * passes / GEMM_EFFICIENCY * (
-        (m.dense_gemm_flops - quantized) / peak(lay.gemm_precision) + quantized / peak(lay.dense_precision or "bf16"))
+        (m.dense_gemm_flops - quantized) / peak(lay.gemm_precision)
+        + quantized / peak(lay.dense_precision or lay.gemm_precision))
     t["grouped_gemm"] = tokens * m.grouped_gemm_flops * passes / (peak(grouped_precision) * GROUPED_GEMM_EFFICIENCY)
     t["attention"] = tokens * m.attention_flops * passes / (
         hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY[lay.attention_kernel])
