@@ -296,7 +296,6 @@ VALUE_SPELLINGS = {
     ("te_gmm_quantization", ""): ("none", "upstream's empty value: no quantization"),
     ("te_gmm_quantization", "te_no_quant"): ("none", "TE's grouped GEMMs without quantization"),
     ("te_gmm_quantization", "te_mxfp8"): ("mxfp8", "TE's grouped GEMMs in MXFP8"),
-    ("te_gmm_quantization", "te_fp8_currentscaling"): ("fp8_current", "TE's grouped GEMMs in tensor-scaled FP8"),
     ("quantization", ""): ("none", "upstream's empty value: no quantization"),
     ("quantization", "te_no_quant"): ("none", "TE's dense GEMMs without quantization"),
     ("routed_score_func", ""): ("softmax", "upstream's empty value: softmax scores"),
@@ -331,6 +330,10 @@ REFUSED_VALUES = {
                                   "stochastic rounding), so nothing has checked TE's calls; use te_mxfp8",
     ("quantization", "te_nvfp4_no_rht"): "NVFP4 GEMMs have no CPU reference here yet (16-element E4M3 block "
                                          "scales), so nothing has checked TE's calls; use te_mxfp8",
+    **{("quantization", value): "AQT / Qwix quantization (upstream's non-TE recipes) is not built here; this "
+                                "trainer quantizes through TE: quantization=te_fp8_currentscaling or te_mxfp8"
+       for value in ("fp4", "int4", "int8", "intmp", "fp8_e5m2", "fp8_e4m3", "fp8", "nanoo_fp8", "fp8_nanoo",
+                     "fp8_gpu", "fp8_full", "serve_fp8_weight")},
     ("remat_policy", "minimal_with_quantization"): "it names AQT's quantized tensors, which are not built here: "
                                                    "use remat_policy=minimal",
     ("remat_policy", "minimal_with_context_and_quantization"): "it names AQT's quantized tensors, which are not "
