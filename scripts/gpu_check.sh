@@ -10,7 +10,9 @@
 #                 attention=cudnn_flash (cuDNN's fused attention) against dot_product, bf16, GQA and MLA
 #   ep            with --ep N only: te_dropless with NCCL EP on N >= 2 GPUs of this machine, one process each
 #                 (scripts/launch.sh --local N running MaxText.benchmarks.ep_check), forward and gradients against
-#                 te_kernels=reference and the float32 per-expert loop; its table goes to <json>.ep.json
+#                 te_kernels=reference and the float32 per-expert loop; its table goes to <json>.ep.json; then
+#                 TE's fused MoE block (te_moe_block=true, ep_check --block) against the float32 loop beside the
+#                 composed path (<json>.ep_block.json)
 #   impls_agree   a tiny DeepSeek-style model trained a few steps with te_dropless and with ragged: same losses
 #   grouped_gemm  TFLOP/s of TE's grouped GEMM and ragged_dot at DeepSeek-V3 expert shapes (timing only)
 #   moe_layer     MoE layer forward+backward TFLOP/s per moe_impl (timing only)
@@ -24,7 +26,7 @@
 # without, and stops (exit 2). Without Transformer Engine the TE checks (TE's kernel tests, ep) are reported as
 # skipped (with the reason) and te_dropless runs its reference kernels; pip install "transformer-engine[jax]>=2.20"
 # (or use the container, or carry TE as the GPU kit does) to check them too.
-# Budget: under 8 minutes on one H100/H200; --ep adds N processes' start-up and three
+# Budget: under 8 minutes on one H100/H200; --ep adds twice N processes' start-up and three
 # compiles each (not yet measured; the part is stopped after 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."

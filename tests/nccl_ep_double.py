@@ -96,6 +96,15 @@ class NcclEpDouble:
         num_local_tokens is the GLOBAL token shape (TE moe.py passes (B, S)); its leading dim splits over
         the ranks. Slots dropped on overflow add nothing."""
         del token_counts  # TE ep.py _combine_fwd: `del token_counts`, the handle carries the layout
+        (y,) = self._to_tokens(cfg, handle, (expert_out,), num_local_tokens, sum_over_k=(True,))
+        if out_sharding is not None:
+            y = jax.lax.with_sharding_constraint(y, P(*out_sharding))
+        return y
+
+    def _to_tokens(self, cfg, handle, buffers, num_local_tokens, sum_over_k):
+        """Each rank's own slots read back from the EP group's receive buffers ([P, R, ...] each): per buffer
+        [*num_local_tokens, ...] summed over the K slots of a token, or [*num_local_tokens, K, ...] as they are
+        (sum_over_k False); a dropped slot reads 0. Combine, and the transpose of dispatch, are this gather."""
         leading = (num_local_tokens,) if isinstance(num_local_tokens, int) else tuple(num_local_tokens)
         axes, ep_axis = _batch_axes()
         mesh = jax.sharding.get_abstract_mesh()
@@ -106,22 +115,83 @@ class NcclEpDouble:
             raise ValueError(f"ep_combine: num_local_tokens={num_local_tokens} is not the global token shape of "
                              f"this dispatch ({ranks} ranks x {t_rank} tokens); TE splits its leading dim over "
                              "the ranks")
+        local = (leading[0] // ranks,) + leading[1:]
 
-        def body(handle_1X, out_1RD):
+        def body(handle_1X, *buffers_1R):
             dest_S, row_S = handle_1X[0, :t_rank * k], handle_1X[0, t_rank * k:]
-            group_NRD = jax.lax.all_gather(out_1RD[0], ep_axis)
             kept_S = row_S >= 0
-            rows_SD = group_NRD[dest_S, jnp.maximum(row_S, 0)]
-            # where, not a multiply by the mask: an unused row may hold NaN (the uninitialized tail).
-            rows_SD = jnp.where(kept_S[:, None], rows_SD.astype(jnp.float32), 0.0)
-            y_TD = jnp.sum(rows_SD.reshape(t_rank, k, -1), axis=1).astype(out_1RD.dtype)
-            return y_TD.reshape((leading[0] // ranks,) + leading[1:] + (y_TD.shape[-1],))
+            outs = []
+            for buf_1R, summed in zip(buffers_1R, sum_over_k):
+                rows_S = jax.lax.all_gather(buf_1R[0], ep_axis)[dest_S, jnp.maximum(row_S, 0)]
+                # where, not a multiply by the mask: an unused row may hold NaN (the uninitialized tail).
+                rows_S = jnp.where(kept_S.reshape((-1,) + (1,) * (rows_S.ndim - 1)), rows_S.astype(jnp.float32), 0.0)
+                rows_TK = rows_S.reshape((t_rank, k) + rows_S.shape[1:])
+                out = jnp.sum(rows_TK, axis=1) if summed else rows_TK
+                outs.append(out.astype(buf_1R.dtype).reshape(local + out.shape[1:]))
+            return tuple(outs)
 
         spec = P(axes)
-        y = jax.shard_map(body, in_specs=(spec, spec), out_specs=spec)(handle, expert_out)
-        if out_sharding is not None:
-            y = jax.lax.with_sharding_constraint(y, P(*out_sharding))
-        return y
+        return jax.shard_map(body, in_specs=(spec,) * (1 + len(buffers)), out_specs=(spec,) * len(buffers))(
+            handle, *buffers)
+
+    # ------------------------------------------------------------------------------------- TE's primitive calls
+
+    # TE's fused MoE block (transformer_engine/jax/moe.py) calls NCCL EP one level down, through
+    # transformer_engine.jax.cpp_extensions (`tex`), under its own custom VJP: the same ops split into prepare /
+    # dispatch and their backwards by hand. patch_tex puts these in their place.
+
+    def ep_prepare(self, cfg, topk_idx):
+        """tex.ep_prepare: (token_counts [P, L], total_recv_tokens [P, 1], handle_mem) from the routing alone,
+        the receive layout of the capacity NCCL EP was bootstrapped with."""
+        tokens = jnp.zeros(topk_idx.shape[:-1] + (self.hidden_dim,), jnp.bfloat16)
+        weights = jnp.zeros(topk_idx.shape, jnp.float32)
+        _, _, handle, counts, total = self.ep_dispatch(cfg, topk_idx, tokens, weights, self.recv_capacity_per_rank)
+        return counts, total, handle
+
+    def ep_dispatch_fwd(self, cfg, handle_mem, topk_idx, tokens, topk_weights, recv_capacity_per_rank):
+        """tex.ep_dispatch_fwd: (recv_tokens [P, R, H], recv_topk_weights [P, R])."""
+        del handle_mem  # the double lays the buffer out again from the routing
+        recv, recv_w, *_ = self.ep_dispatch(cfg, topk_idx, tokens, topk_weights, recv_capacity_per_rank)
+        return recv, recv_w
+
+    def ep_combine_fwd(self, cfg, handle_mem, expert_out, num_local_tokens, out_partition_spec=None):
+        return self.ep_combine(cfg, handle_mem, None, expert_out, num_local_tokens, out_sharding=out_partition_spec)
+
+    def ep_dispatch_bwd(self, cfg, handle_mem, grad, g_recv_topk_weights, num_local_tokens, out_partition_spec=None):
+        """tex.ep_dispatch_bwd: (d tokens [*num_local_tokens, H], d topk_weights [*num_local_tokens, K]): each
+        token's rows' gradients summed, each slot's weight gradient read back; dropped slots get 0."""
+        d_x, d_w = self._to_tokens(cfg, handle_mem, (grad, g_recv_topk_weights), num_local_tokens, (True, False))
+        if out_partition_spec is not None:
+            d_x = jax.lax.with_sharding_constraint(d_x, P(*out_partition_spec))
+        return d_x, d_w
+
+    def ep_combine_bwd(self, cfg, handle_mem, grad, recv_capacity_per_rank):
+        """tex.ep_combine_bwd: [P, R, H], each occupied row its token's gradient, padding and tail rows 0 (the
+        transpose of combine's gather)."""
+        axes, _ = _batch_axes()
+        ranks = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+        zeros = jnp.zeros((ranks, recv_capacity_per_rank, grad.shape[-1]), grad.dtype)
+        _, transpose = jax.vjp(lambda out: self.ep_combine(cfg, handle_mem, None, out, grad.shape[:-1]), zeros)
+        return transpose(grad)[0]
+
+
+def patch_tex(monkeypatch, cfg, mesh_shape, global_batch: int) -> NcclEpDouble:
+    """NCCL EP on CPU for TE's own Python: the double behind `tex`'s five NCCL EP calls, which TE's ep.py (the
+    composed path's ep_dispatch / ep_combine, their custom VJPs for real) and TE's fused MoE block call; TE's
+    EpConfig and moe.py's bootstrap record as te_runtime.bootstrap_ep leaves them on GPUs. Both are restored when
+    the test ends (monkeypatch)."""
+    from transformer_engine.jax import cpp_extensions as tex, moe
+    from transformer_engine.jax.cpp_extensions import ep as tex_ep
+
+    double = namespace(cfg, mesh_shape, global_batch)
+    for name in ("ep_prepare", "ep_dispatch_fwd", "ep_combine_fwd", "ep_dispatch_bwd", "ep_combine_bwd"):
+        monkeypatch.setattr(tex, name, getattr(double, name))
+    shape = dict(mesh_shape)
+    args = te_runtime.ep_bootstrap_args(cfg, shape, global_batch)
+    monkeypatch.setattr(moe, "_te_ep_bootstrap_signature", te_runtime.moe_signature(args, shape))
+    groups = math.prod(n for axis, n in shape.items() if axis in ("data", "fsdp"))
+    monkeypatch.setattr(tex_ep, "_ep_config", te_trace.ep_config(cfg, shape, global_batch, groups))
+    return double
 
 
 def _dispatch_body(*, num_experts, ep_size, ep_axis, align, recv_rows):

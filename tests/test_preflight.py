@@ -225,3 +225,39 @@ def test_the_slurm_job_runs_the_preflight_first(tmp_path):
     assert rc == 1 and len(calls) == 1, calls
     rc, calls = job(PREFLIGHT="0")
     assert rc == 0 and len(calls) == 1 and "--kill-on-bad-exit=1" in calls[0], calls
+
+
+def _lowered(*argv) -> dict:
+    """MaxText.lowering's JSON for the arguments, in its own process (as the preflight runs it)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, "-m", "MaxText.lowering", *argv], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=os.path.dirname(CONFIG_DIR))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["composed", "te_moe_block"])
+def test_the_full_scale_lowering_holds_tes_ops_in_the_expected_counts(block):
+    """NVIDIA's GB200 recipe lowered at full scale without remat (nothing recomputed), counted by name: DeepSeek-V3's
+    three layer bodies (the dense layers, the MoE layers, the MTP depth; scanned, each traced once) hold MLA's five
+    projections and a SwiGLU's three GEMMs (the dense MLP or the shared expert), 24 dense GEMMs through TE in FP8,
+    each run forward, for the data gradient and for the weight gradient; the two MoE bodies' routed experts run
+    three grouped GEMMs each way (composed) or TE's block's fused pair (two forward, four backward), and one NCCL
+    EP prepare, dispatch, combine and each backward; the router's forward once more beside TE's block."""
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-nvidia-gb200-128.yml")
+    result = _lowered(recipe, "remat_policy=none", *(["te_moe_block=true"] if block else []))
+    assert result["ok"], result
+    ops = result["te_ops"]
+    bodies, moe_bodies = 3, 2
+    assert ops["te_gemm_v2"] == 3 * bodies * (5 + 3), ops
+    assert ops["te_grouped_gemm"] == moe_bodies * (6 if block else 9), ops
+    for op in ("te_ep_prepare", "te_ep_dispatch", "te_ep_combine", "te_ep_dispatch_bwd", "te_ep_combine_bwd",
+               "te_fused_topk_with_score_function_backward"):
+        assert ops[op] == moe_bodies, (op, ops)
+    assert ops["te_fused_topk_with_score_function_forward"] == moe_bodies * (2 if block else 1), ops
+    if not block:  # quantization=none: no dense GEMM through TE, the routed experts' as they were
+        bf16 = _lowered(recipe, "remat_policy=none", "quantization=none")["te_ops"]
+        assert "te_gemm_v2" not in bf16 and bf16["te_grouped_gemm"] == ops["te_grouped_gemm"], bf16

@@ -129,20 +129,24 @@ def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
 
 
 RECIPES = sorted(glob.glob(os.path.join("configs", "gpu", "*.yml")))
-_MODELLED = re.compile(r"^# Modelled: step ([\d.]+) s, (\d+) tokens/s/GPU, MFU (\d+)%, bound by (\w+)", re.M)
+_MODELLED = re.compile(r"^# Modelled: step ([\d.]+) s, (\d+) tokens/s/GPU, (\d+) TFLOP/s/GPU, MFU (\d+)%, bound by (\w+)",
+                       re.M)
+_PUBLISHED = re.compile(r"^# Published[^:]*: .*(\d+ tokens/s/GPU|\d+ TFLOP/s/GPU)", re.M)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_each_recipe_header_states_what_the_model_says(recipe):
     """The `# Modelled:` line of each recipe's header is what MaxText.plan prints for it today (rounded as
-    written), so a change to the model or the recipe that moves it fails here until the header follows."""
+    written), so a change to the model or the recipe that moves it fails here until the header follows; a
+    `# Published` line beside it gives the published figure for that hardware."""
     with open(recipe) as f:
         found = _MODELLED.search(f.read())
-    assert found, f"{recipe}: no '# Modelled: step ... s, ... tokens/s/GPU, MFU ...%, bound by ...' line"
+    assert found, f"{recipe}: no '# Modelled: step ... s, ... tokens/s/GPU, ... TFLOP/s/GPU, MFU ...%, bound by ...' line"
     st = plan.plan(load_config([recipe]))["step_time"]
-    step, tokens, mfu, bound = found.groups()
-    assert (f"{st['step_s']:.2f}", f"{st['tokens_per_s_per_gpu']:.0f}", f"{st['mfu'] * 100:.0f}", st["bound"]) == (
-        step, tokens, mfu, bound), st
+    assert (f"{st['step_s']:.2f}", f"{st['tokens_per_s_per_gpu']:.0f}", f"{st['tflops_per_gpu']:.0f}",
+            f"{st['mfu'] * 100:.0f}", st["bound"]) == found.groups(), st
+    with open(recipe) as f:
+        assert _PUBLISHED.search(f.read()), f"{recipe}: no '# Published ...' line with the figure for its hardware"
 
 
 def test_search_ranks_fitting_layouts_and_the_recipes_are_near_the_best():
@@ -214,3 +218,17 @@ def test_quantization_speeds_up_the_quantizable_dense_gemms_only():
                                   * speedup, rel=1e-6)
     for term in ("grouped_gemm", "attention", "memory_bound"):
         assert after["compute_s"][term] == pytest.approx(before["compute_s"][term]), term
+
+
+def test_tes_fused_block_is_charged_its_recomputed_forward():
+    """te_moe_block=true: TE's block names none of its outputs, so under a remat policy that keeps the expert GEMMs
+    (custom, on NVIDIA's GB200 recipe) its whole forward runs again in the backward: the model charges those GEMMs
+    and the dispatch again; with remat_policy=none nothing is recomputed either way."""
+    recipe = "configs/gpu/deepseek3-671b-nvidia-gb200-128.yml"
+    composed, block = (load_config([recipe, *extra]) for extra in ([], ["te_moe_block=true"]))
+    assert composed.remat_policy == "custom" and composed.moe_mlpwi_0 != "remat", "the recipe keeps its expert GEMMs"
+    assert steptime.recompute_fraction(block) > steptime.recompute_fraction(composed)
+    times = [plan.plan(c)["step_time"] for c in (composed, block)]
+    assert times[1]["compute_s"]["grouped_gemm"] > times[0]["compute_s"]["grouped_gemm"]
+    none = [load_config([recipe, "remat_policy=none", *extra]) for extra in ([], ["te_moe_block=true"])]
+    assert steptime.recompute_fraction(none[0]) == steptime.recompute_fraction(none[1]) == 0.0

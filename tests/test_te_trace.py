@@ -41,15 +41,7 @@ ROUTER_FWD, ROUTER_BWD = ("te_fused_topk_with_score_function_forward_ffi_wrapper
 GEMM = "te_grouped_gemm_ffi_wrapper"
 
 
-def _eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, recursively through its sub-jaxprs (jit, shard_map, custom VJPs...)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _eqns(sub)
+_eqns = te_trace.equations
 
 
 def _te_primitives(jaxpr) -> set:

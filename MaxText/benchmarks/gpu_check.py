@@ -15,7 +15,8 @@ and the next part runs):
    dot_product, forward and q/k/v gradients in bf16, GQA and MLA, packed documents and a row beyond its bound.
 2. ep (correctness, only with --ep N): MaxText.benchmarks.ep_check on N GPUs, one process each through
    scripts/launch.sh --local N: te_dropless with NCCL EP against te_kernels=reference and the float32
-   per-expert loop, forward and gradients, three routings. Its own table and JSON (<json>.ep.json).
+   per-expert loop, forward and gradients, three routings (<json>.ep.json); then TE's fused MoE block
+   (te_moe_block=true, ep_check --block) against the float32 loop beside the composed path (<json>.ep_block.json).
 3. impls_agree (correctness): a tiny DeepSeek-style model (MLA, sigmoid group-limited routing with bias,
    shared expert, MTP) trained a few bf16 steps with te_dropless and with ragged; the losses must agree.
 4. grouped_gemm (timing): TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed
@@ -136,7 +137,8 @@ def check_kernels(kit: Kit) -> dict:
 
 
 def check_ep(kit: Kit) -> dict:
-    """MaxText.benchmarks.ep_check on kit.ep GPUs through scripts/launch.sh --local; its JSON, summarised."""
+    """MaxText.benchmarks.ep_check on kit.ep GPUs through scripts/launch.sh --local, twice: te_dropless's NCCL EP
+    path, then TE's fused MoE block (--block); their JSONs, summarised (passed when both passed)."""
     if not kit.ep:
         return {"status": "skipped", "reason": "NCCL EP is checked with --ep N (N >= 2 GPUs)"}
     if kit.te_missing:
@@ -149,11 +151,19 @@ def check_ep(kit: Kit) -> dict:
         if "LAUNCH_MODULE" not in f.read():
             return {"status": "error", "error": "scripts/launch.sh starts MaxText.train only (no LAUNCH_MODULE); "
                                                 "it cannot start MaxText.benchmarks.ep_check"}
-    report_path = os.path.splitext(kit.json)[0] + ".ep.json"
+    results = {name: _launch_ep_check(kit, launch, suffix, args)
+               for name, suffix, args in (("nccl_ep", ".ep.json", []), ("te_moe_block", ".ep_block.json", ["--block"]))}
+    statuses = {r["status"] for r in results.values()}
+    status = "error" if "error" in statuses else "failed" if "failed" in statuses else "passed"
+    return {"status": status, **results}
+
+
+def _launch_ep_check(kit: Kit, launch: str, suffix: str, args: list) -> dict:
+    report_path = os.path.splitext(kit.json)[0] + suffix
     if os.path.exists(report_path):
         os.remove(report_path)  # never read a previous run's report
     env = subprocess_env(LAUNCH_MODULE="MaxText.benchmarks.ep_check", PYTHON=sys.executable, JAX_PLATFORMS="")
-    rc, out, timed_out = run_subprocess(["bash", launch, "--local", str(kit.ep), "--json", report_path], env,
+    rc, out, timed_out = run_subprocess(["bash", launch, "--local", str(kit.ep), "--json", report_path, *args], env,
                                         EP_TIMEOUT_S)
     result = {"ranks": kit.ep, "report_path": report_path, "output_tail": out[-4000:]}
     if timed_out:
@@ -301,17 +311,24 @@ def run_part(part, kit: Kit) -> dict:
     return result
 
 
+def _ep_lines(check: str, r: dict) -> list[str]:
+    """One ep_check run's lines: its worst error of the path under test, what fell out of tolerance, its table."""
+    if "report" not in r:
+        return [f"{check}: {r['status']}: {r.get('error', '')}"]
+    rows, column = r["report"]["rows"], r["report"].get("columns", ["te_dropless"])[0]
+    worst = max(rows, key=lambda row: row["te_vs_float32"] / row["tolerance"] if row["tolerance"] else 0.0)
+    bad = [f"{row['routing']}/{row['quantity']}" for row in rows if not row["ok"]]
+    return [f"{check}: {r['ranks']} GPUs, mesh {r['report']['mesh']}: worst {column} error {worst['te_vs_float32']:.2e} "
+            f"({worst['routing']}/{worst['quantity']}, tolerance {worst['tolerance']:.0e})"
+            + (f"; out of tolerance: {', '.join(bad)}" if bad else ""), f"table: {r['report_path']}"]
+
+
 def part_lines(name: str, r: dict) -> list[str]:
     """The detail lines of one finished part (its status line is format_summary's)."""
     if name == "kernels":
         return [r["summary"]] + r["details"]
     if name == "ep":
-        rows = r["report"]["rows"]
-        worst = max(rows, key=lambda row: row["te_vs_float32"] / row["tolerance"] if row["tolerance"] else 0.0)
-        bad = [f"{row['routing']}/{row['quantity']}" for row in rows if not row["ok"]]
-        return [f"{r['ranks']} GPUs, mesh {r['report']['mesh']}: worst te_dropless error {worst['te_vs_float32']:.2e} "
-                f"({worst['routing']}/{worst['quantity']}, tolerance {worst['tolerance']:.0e})"
-                + (f"; out of tolerance: {', '.join(bad)}" if bad else ""), f"table: {r['report_path']}"]
+        return [line for check in ("nccl_ep", "te_moe_block") if check in r for line in _ep_lines(check, r[check])]
     if name == "impls_agree":
         return [f"te_dropless ({r['kernels']}) vs ragged on deepseek3-tiny: max relative loss difference "
                 f"{r['max_relative_difference']:.2e} (tolerance {r['tolerance']:.0e})"]

@@ -27,8 +27,25 @@ def check_schema(cfg) -> None:
             raise ConfigError(f"{key}={cfg[key]} {error}")
 
 
+def te_router_mode(cfg) -> tuple[bool, bool]:
+    """(use_pre_softmax, fused weights) for TE's fused router under this config's routing semantics.
+
+    TE's sigmoid weights are renormalised exactly when K > 1; its softmax either takes the top-k of the
+    softmax over all experts (use_pre_softmax=True: our norm_topk_prob=false) or the softmax over the top-k
+    logits (our norm_topk_prob=true, the same choice unless group-limited routing scores groups on logits
+    rather than on probabilities). Where TE's weights mean ours, TE's fused forward and backward give them;
+    elsewhere TE makes the choice (on probabilities) and the weights are our scores of the chosen experts.
+    """
+    k, grouped = cfg.num_experts_per_tok, cfg.n_routing_groups is not None
+    if cfg.routed_score_func == "sigmoid":
+        return False, cfg.norm_topk_prob == (k > 1)
+    return not cfg.norm_topk_prob or grouped, not (cfg.norm_topk_prob and grouped)
+
+
 def check_te_options(cfg) -> None:
-    """FP8/MXFP8 grouped GEMMs exist only on the Transformer Engine path."""
+    """FP8/MXFP8 grouped GEMMs exist only on the Transformer Engine path; TE's fused MoE block (te_moe_block) takes
+    what it computes: TE's kernels, BF16 or MXFP8 grouped GEMMs (moe.py _validate_moe_quantizer_sets), and the
+    combine weights of its fused router (te_router_mode)."""
     if cfg.te_gmm_quantization != "none" and cfg.moe_impl != "te_dropless":
         raise ConfigError(f"te_gmm_quantization={cfg.te_gmm_quantization} applies to moe_impl=te_dropless only "
                           f"(moe_impl={cfg.moe_impl}); set te_gmm_quantization=none or moe_impl=te_dropless")
@@ -38,6 +55,28 @@ def check_te_options(cfg) -> None:
                           f"num_experts_per_tok / topk_routing_group experts and needs a whole number, not "
                           f"{cfg.num_experts_per_tok} / {cfg.topk_routing_group}; make num_experts_per_tok a "
                           "multiple of topk_routing_group or use moe_impl=ragged")
+    if cfg.te_moe_block:
+        _check_te_moe_block(cfg)
+
+
+def _check_te_moe_block(cfg) -> None:
+    fix = "or te_moe_block=false (the composed moe_impl=te_dropless path, which takes it)"
+    if cfg.te_kernels == "reference":
+        raise ConfigError("te_moe_block=true runs Transformer Engine's own fused MoE block, which has no pure-JAX "
+                          "stand-in; set te_kernels=auto (an NVIDIA GPU) or te_moe_block=false")
+    if cfg.te_gmm_quantization not in ("none", "mxfp8"):
+        raise ConfigError(f"te_gmm_quantization={cfg.te_gmm_quantization}: TE's fused MoE block runs its grouped GEMMs "
+                          f"in BF16 or MXFP8 only; set te_gmm_quantization=none or mxfp8, {fix}")
+    if cfg.te_gmm_quantization == "mxfp8" and (cfg.base_emb_dim % 128 or cfg.base_moe_mlp_dim % 128):
+        raise ConfigError(f"te_moe_block=true with te_gmm_quantization=mxfp8 needs base_emb_dim and base_moe_mlp_dim "
+                          f"to be multiples of 128 (they are {cfg.base_emb_dim} and {cfg.base_moe_mlp_dim}): TE's block "
+                          "quantizes NCCL EP's receive buffer, whose expert groups stop short of its end, and only "
+                          f"TE's V2 MXFP8 kernels (128-multiple widths) take that; {fix}")
+    if not te_router_mode(cfg)[1]:
+        raise ConfigError(f"norm_topk_prob={str(cfg.norm_topk_prob).lower()}: with routed_score_func="
+                          f"{cfg.routed_score_func}, num_experts_per_tok={cfg.num_experts_per_tok}"
+                          f"{' and routing groups' if cfg.n_routing_groups else ''} TE's fused router weighs the "
+                          f"chosen experts otherwise, and its fused MoE block takes only those weights; {fix}")
 
 
 class DenseWeight(NamedTuple):

@@ -283,7 +283,8 @@ def plain(cfg) -> dict[str, Any]:
 
 
 def _map_upstream_spellings(values: dict[str, Any], explicit_moe_impl: bool) -> None:
-    """te_moe_block=true -> moe_impl=te_dropless; sparse_matmul=true|false -> ragged|dense (with a log line)."""
+    """te_moe_block=true -> moe_impl=te_dropless (TE's fused block runs under it); sparse_matmul=true|false ->
+    ragged|dense (with a log line)."""
     mapped = None
     if values["te_moe_block"]:
         mapped = ("te_moe_block=true", "te_dropless")
@@ -296,7 +297,10 @@ def _map_upstream_spellings(values: dict[str, Any], explicit_moe_impl: bool) -> 
     if explicit_moe_impl and values["moe_impl"] != impl:
         raise ConfigError(f"{spelling} means moe_impl={impl}, but moe_impl={values['moe_impl']} is also set; "
                           "keep only moe_impl")
-    logging.warning("config: %s is MaxText's spelling of moe_impl=%s; using moe_impl=%s", spelling, impl, impl)
+    if values["te_moe_block"]:
+        logging.warning("config: te_moe_block=true runs Transformer Engine's fused MoE block, under moe_impl=te_dropless")
+    else:
+        logging.warning("config: %s is MaxText's spelling of moe_impl=%s; using moe_impl=%s", spelling, impl, impl)
     values["moe_impl"] = impl
 
 

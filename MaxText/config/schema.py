@@ -229,7 +229,8 @@ SCHEMA: dict[str, Key] = {
         "global (over the whole batch) | sequence (per sequence, then averaged; DeepSeek-V3's)"),
     "router_z_loss_weight": Key(float, low=0, high=100.0, doc=
         'weight of the router z-loss mean(logsumexp(logits)^2), per MoE layer; 0 = off'),
-    "te_moe_block": Key(bool, null=True, doc="MaxText's spelling: true = moe_impl=te_dropless (with a log line)"),
+    "te_moe_block": Key(bool, null=True, doc="true: TE's fused MoE block (implies moe_impl=te_dropless); false/null: "
+                        "the composed path"),
     "sparse_matmul": Key(bool, null=True, doc=
         "MaxText's spelling: true = moe_impl=ragged, false = moe_impl=dense (with a log line)"),
 

@@ -54,8 +54,10 @@ def check_batch(cfg, shape: dict, global_batch: int) -> None:
 
 
 def nccl_ep_used(cfg, mesh_shape) -> bool:
-    """Whether te_dropless runs NCCL EP on a mesh of this shape (TE kernels and expert parallelism)."""
-    return cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and mesh_shape.get("expert", 1) > 1
+    """Whether te_dropless runs NCCL EP on a mesh of this shape: TE kernels with expert parallelism, or TE's fused
+    MoE block (te_moe_block), which exchanges tokens through NCCL EP on any mesh."""
+    te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    return te and (mesh_shape.get("expert", 1) > 1 or bool(cfg.te_moe_block))
 
 
 def check_nccl_ep(cfg, mesh_shape) -> None:
@@ -83,3 +85,13 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
         raise ConfigError(f"num_moe_token_chunks={cfg.num_moe_token_chunks}: NCCL EP dispatches a layer's tokens in "
                           "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1, "
                           "or te_kernels=reference / moe_impl=ragged")
+    if cfg.te_moe_block:
+        devices = math.prod(mesh_shape.values())
+        if devices < 2:
+            raise ConfigError("te_moe_block=true runs TE's fused MoE block, whose NCCL EP exchange needs 2 GPUs or "
+                              "more (TE's ep_bootstrap), and this mesh has 1; set te_moe_block=false (the composed "
+                              "moe_impl=te_dropless path, the same TE router and grouped GEMMs)")
+        if mesh_shape.get("tensor", 1) > 1:
+            raise ConfigError(f"te_moe_block=true: TE's fused MoE block does not split the experts' width over "
+                              f"`tensor` (each of the {mesh_shape['tensor']} tensor ranks would compute every expert's "
+                              "whole FFN); set ici/dcn_tensor_parallelism=1 or te_moe_block=false (the composed path)")

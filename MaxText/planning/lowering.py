@@ -111,6 +111,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
         if uses_te:
             te_trace.bootstrap_ep(cfg, mesh, global_batch)
         traced = jit_train_step(cfg, spec, batch_sharding).trace(spec.abstract, batch)
+        te_ops = te_trace.te_op_counts(traced.jaxpr)
         cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
         cudnn_ops = attention_cudnn.kernel_calls(traced.jaxpr)
         if uses_te:
@@ -128,6 +129,7 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
         "collectives": dumped_collectives(dump_dir, mesh.devices.size) if dump_dir else None,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
         "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
+        "te_ops": te_ops,
         "cudnn_attention_ops": cudnn_ops,
         "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),
         "compile_stop": stop,

@@ -193,7 +193,9 @@ def check_lowering(argv: list[str], timeout: float = 600) -> list[Row]:
             else "partitioned by XLA with TE's rules up to the first TE kernel")
     detail = (f"traced and lowered for CUDA on {mesh}: {sum(calls.values())} TE FFI calls ("
               + ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) + f"), {result['te_partitioned_ops']} "
-              f"TE partitioned ops, " + (f"{result['cudnn_attention_ops']} cuDNN fused-attention ops, "
+              f"TE partitioned ops, TE ops in the step (forward, backward, recomputed; a loop body once: "
+              + ", ".join(f"{k} {v}" for k, v in result.get("te_ops", {}).items()) + "), "
+              + (f"{result['cudnn_attention_ops']} cuDNN fused-attention ops, "
                                          if result.get("cudnn_attention_ops") else "")
               + f"{result['host_offload_annotations']} host-offload annotations; {stop}"
               + _collectives_text(result.get("collectives")) + f" ({result['seconds']} s)")

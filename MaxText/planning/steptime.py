@@ -145,8 +145,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
-        dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom"
-                                                           and cfg.moe_dispatch == "remat"),
+        dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom" and cfg.moe_dispatch == "remat")
+        or bool(cfg.te_moe_block and cfg.remat_policy != "none"),  # TE's block keeps no named residual
         grad_accumulation=cfg.gradient_accumulation_steps)
 
 
@@ -158,7 +158,8 @@ _MOE_NAMES = ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
 def recompute_fraction(cfg) -> float:
     """Of a step's forward FLOPs, the fraction the backward recomputes under remat_policy: full, everything;
     none, nothing; minimal, the attention products (every named matmul output is kept); custom, the attention
-    products and each named matmul whose tensor is set to remat (FLOPs shared evenly among a kind's names)."""
+    products and each named matmul whose tensor is set to remat (FLOPs shared evenly among a kind's names). Under
+    te_moe_block the routed experts' GEMMs are recomputed by any policy but none (TE's block names nothing)."""
     if cfg.remat_policy in ("full", "none"):
         return float(cfg.remat_policy == "full")
     m = Model.from_config(cfg, 0.0)
@@ -166,6 +167,9 @@ def recompute_fraction(cfg) -> float:
     redo = m.attention_flops
     if cfg.remat_policy == "custom":
         redo += m.dense_gemm_flops * sum(cfg[n] == "remat" for n in _DENSE_NAMES) / len(_DENSE_NAMES)
+    if cfg.te_moe_block:  # TE's fused block names none of its outputs: under remat its whole forward runs again
+        redo += m.grouped_gemm_flops
+    elif cfg.remat_policy == "custom":
         redo += m.grouped_gemm_flops * sum(cfg[n] == "remat" for n in _MOE_NAMES) / len(_MOE_NAMES)
     return redo / total
 

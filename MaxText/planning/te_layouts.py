@@ -141,6 +141,8 @@ def mx_quantize(x2, row_sizes, out_dtype, colwise: bool, buffer_size: int, zero_
         positions, used = mx_plain_positions(rows, cols, colwise), 0
     else:
         positions, used = mx_scale_positions(row_sizes, rows, cols, colwise)
+        live = jnp.arange(rows) < jnp.sum(row_sizes)  # rows past the groups write no scale
+        positions = jnp.where(live[::MX_BLOCK, None] if colwise else live[:, None], positions, buffer_size)
     fill = jnp.where(zero_all | (jnp.arange(buffer_size) < used), 0, E8M0_NAN).astype(jnp.uint8)
     scales = fill.at[positions.reshape(-1)].set((exponent + E8M0_BIAS).astype(jnp.uint8).reshape(-1), mode="drop")
     return q.astype(out_dtype).reshape(-1), jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)

@@ -154,7 +154,11 @@ def grouped_gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, lhs_first, lhs_last, rhs_fi
     if rhs_ragged:
         n = rhs_left_size if rhs_is_trans else rhs_right_size
         a, b = _ragged_k_operands(lhs, lhs_sinv, rhs, rhs_sinv, sizes, (k, m, n), lhs_is_trans, rhs_is_trans, scaling)
-        onehot = (layouts.group_of_rows(sizes, k)[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
+        g_of_k = layouts.group_of_rows(sizes, k)
+        # Rows past the groups are not read (V2: the groups may stop short of the buffer, as TE's fused MoE block
+        # leaves NCCL EP's uninitialized tail there): where, not a multiply by the one-hot, so garbage stays out.
+        a, b = (jnp.where((g_of_k < num_gemms)[:, None], v, 0.0) for v in (a, b))
+        onehot = (g_of_k[:, None] == jnp.arange(num_gemms)[None, :]).astype(jnp.float32)
         out = jnp.einsum("km,kn,kg->gmn", a, b, onehot, precision=hi)
         ragged_extent = k
     else:
@@ -261,7 +265,8 @@ def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scali
     (nvte_group_quantize; TE's Python picks it at SM 100 when every dimension is a multiple of 128): the data in
     x's order, E8M0 block scales in the grouped, padded, GEMM-ready layout (te_layouts.py), a 32-multiple of rows in
     every group for the colwise copy and cols a multiple of 32 (else the kernel raises: all NaN here). The amax
-    output is written for tensor scaling only (NaN). sum(group_sizes) must be the rows or x's first dim."""
+    output is written for tensor scaling only (NaN). V1: sum(group_sizes) must be the rows or x's first dim; V2:
+    rows past the groups are not written (NaN), nor their scales."""
     from transformer_engine.jax.cpp_extensions.quantization import GroupedQuantizePrimitive  # noqa: PLC0415
     from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
 
@@ -269,10 +274,12 @@ def _grouped_quantize_mxfp8(x, sizes, row_sizes, rows, cols, *, out_dtype, scali
     row_room, col_room = (int(np.prod(shape)) for shape in ScalingMode(scaling_mode).get_grouped_scale_shape_2x(
         x.shape, sizes.shape[0], is_padded=True, flatten_axis=flatten_axis))
     x2 = x.reshape(rows, cols).astype(jnp.float32)
-    ok = ((jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])) & (cols % layouts.MX_BLOCK == 0)
+    # V1 checks that the groups fill the buffer; V2 (GroupedQuantizeV2FFI) does not: its groups may stop short,
+    # the rows past them neither read nor written (as TE's fused MoE block leaves NCCL EP's tail).
+    ok = (v2 | (jnp.sum(sizes) == rows) | (jnp.sum(sizes) == x.shape[0])) & (cols % layouts.MX_BLOCK == 0)
     if q_layout.has_colwise:
         ok &= jnp.all(row_sizes % layouts.MX_BLOCK == 0) & (rows % layouts.MX_BLOCK == 0)
-    x2 = jnp.where(ok, x2, jnp.nan)
+    x2 = jnp.where(ok & (jnp.arange(rows) < jnp.sum(row_sizes))[:, None], x2, jnp.nan)
     unwritten_data, unwritten_scales = _nan((1,), out_dtype), _nan((1,), jnp.float8_e8m0fnu)
     rowwise, row_sinv = (layouts.mx_quantize(x2, row_sizes, out_dtype, False, row_room, v2) if q_layout.has_rowwise
                          else (unwritten_data, unwritten_scales))

@@ -16,6 +16,8 @@ refuses `te_kernels=auto` without an NVIDIA GPU (te_runtime.check_available).
 
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import enum
 import importlib.util
@@ -235,6 +237,24 @@ def _env(**values):
                 os.environ[k] = v
 
 
+def equations(jaxpr):
+    """Every equation of a (closed) jaxpr, recursively through its sub-jaxprs (jit, scan, shard_map, custom VJPs...)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from equations(sub)
+
+
+def te_op_counts(jaxpr) -> dict[str, int]:
+    """TE's primitives in a jaxpr by name (te_..._ffi_wrapper shortened to te_...), each body of a loop once: a
+    step's forward, its backward and what remat recomputes there."""
+    found = (str(e.primitive) for e in equations(jaxpr) if str(e.primitive).startswith("te_"))
+    return dict(sorted(collections.Counter(name.removesuffix("_ffi_wrapper") for name in found).items()))
+
+
 def register_cpu_lowerings(rules=None) -> None:
     """Registers the lowering of every TE primitive for the CPU platform as well as CUDA, so `.lower()` and
     `.compile()` of a program with TE ops run TE's partitioning rules on CPU; compiling then stops at the
@@ -262,6 +282,13 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
         return
     outer = tex_ep._ep_outer_axis()  # noqa: SLF001 - the axis TE's ep_bootstrap reads
     tex_ep.set_ep_config(ep_config(cfg, shape, global_batch, 1 if outer is None else get_mesh_axis_size(outer)))
+    if cfg.te_moe_block:
+        from transformer_engine.jax import moe  # noqa: PLC0415
+
+        from MaxText.layers.moe import te_runtime  # noqa: PLC0415
+
+        args = te_runtime.ep_bootstrap_args(cfg, shape, global_batch)
+        moe.record_ep_bootstrap_signature_for_moe(*te_runtime.moe_signature(args, shape))
 
 
 def ep_config(cfg, mesh_shape: dict, global_batch: int, num_ep_groups: int):

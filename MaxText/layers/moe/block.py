@@ -6,9 +6,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.mlp import MLP
-from MaxText.layers.moe import dense, dropless, te_kernels
+from MaxText.layers.moe import dense, dropless, te_block, te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
-from MaxText.layers.moe.router import route
+from MaxText.layers.moe.router import float32_logits, route
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
 
@@ -54,10 +54,16 @@ class MoeBlock(nnx.Module):
         valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
         # Route, then dispatch -> experts -> combine (moe_ffn). te_dropless selects with its kernel set's top-k
         # (TE's fused router, or the reference: the same choice as route's own, computed from the logits again).
+        # te_moe_block: TE's fused block routes inside; route here, on the block's own logits with the same
+        # top-k, gives what it does not return (load, losses, statistics; te_block.py).
         topk = te_kernels.kernels(self.cfg).topk if self.cfg.moe_impl == "te_dropless" else None
-        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=topk, valid_T=valid_T)
+        logits = te_block.gate_logits if self.cfg.te_moe_block else float32_logits
+        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=topk, valid_T=valid_T, logits=logits)
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
-        y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
+        if self.cfg.te_moe_block:
+            y_TD, impl_stats = te_block.moe_ffn(x_BLD, self.gate[...], bias, weights, self.cfg, self.rules)
+        else:
+            y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
         y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
                           self.rules)
         if shared_BLD is not None:

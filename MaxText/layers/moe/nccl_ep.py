@@ -21,6 +21,11 @@ from MaxText.layers.moe.dispatch import ALIGN
 from MaxText.layers.moe.te_runtime import bootstrapped_capacity, tokens_per_ep_rank
 
 
+def overflow_rows(total_N1, recv_cap: int):
+    """Receive rows over capacity, over all ranks, from NCCL EP's per-rank pre-drop totals (float32)."""
+    return jnp.sum(jnp.maximum(total_N1 - recv_cap, 0)).astype(jnp.float32)
+
+
 class NcclHandle(NamedTuple):
     handle_mem: jax.Array     # NCCL EP's routing state, per rank
     counts_NE: jax.Array      # the aligned group sizes NCCL EP reported
@@ -64,7 +69,7 @@ class NcclEp(NamedTuple):
         x_NRD = jnp.where(valid_NR[:, :, None], recv_NRD, jnp.zeros((), recv_NRD.dtype))
         # Overflow in receive rows over capacity (NCCL EP's demand includes each group's 128-row padding): an
         # upper bound on the token copies dropped, exact when whole padded groups are cut.
-        overflow = jnp.sum(jnp.maximum(total_N1 - recv_cap, 0)).astype(jnp.float32)
+        overflow = overflow_rows(total_N1, recv_cap)
         handle = NcclHandle(handle_mem, counts_NE, jnp.where(valid_NR, recv_w_NR, 0.0), overflow, x_TD.shape[0])
         return x_NRD, sizes_NE, handle
 

@@ -86,17 +86,23 @@ def _mean(x_T, v_T):
     return jnp.sum(x_T * v_T) / jnp.maximum(jnp.sum(v_T), 1.0)
 
 
+def float32_logits(x_TD, gate_DE):
+    """The router logits in float32 (every path but TE's fused block, te_block.gate_logits)."""
+    return jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
+
+
 @jax.named_scope("moe_route")
-def route(x_TD, gate_DE, bias_E, cfg, topk=None, valid_T=None) -> Routing:
+def route(x_TD, gate_DE, bias_E, cfg, topk=None, valid_T=None, logits=float32_logits) -> Routing:
     """Routes the T tokens of x (whole sequences of cfg.max_target_length tokens, in order).
 
     `topk(logits_TE, bias_E, cfg) -> (weights_TK, experts_TK)` replaces the selection (the te_dropless
     path passes Transformer Engine's fused router, which has these semantics); losses and statistics
-    are computed here either way, over the real tokens (valid_T; None: every token is real). Padding is
+    are computed here either way, over the real tokens (valid_T; None: every token is real); `logits(x_TD,
+    gate_DE)` computes the logits (te_moe_block: as TE's block does). Padding is
     still routed (its outputs carry no loss weight) but is no load: not in load_E, so not in the bias
     update, nor in the balance loss, the z-loss or the entropy.
     """
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
+    logits_TE = logits(x_TD, gate_DE)
     scores_TE = expert_scores(logits_TE, cfg.routed_score_func)
     if topk is None:
         weights_TK, experts_TK = select_experts(scores_TE, bias_E, cfg)

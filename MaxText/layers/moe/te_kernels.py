@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
+from MaxText.config.checks import te_router_mode
 from MaxText.layers.moe.gmm import grouped_matmul
 from MaxText.layers.moe.router import expert_scores, select_experts
 from MaxText.layers.moe.te_runtime import import_te
@@ -55,21 +56,6 @@ REFERENCE = Kernels("reference", reference_topk, reference_grouped_gemm)
 
 
 # ------------------------------------------------------------------------------------------- Transformer Engine
-
-
-def te_router_mode(cfg) -> tuple[bool, bool]:
-    """(use_pre_softmax, fused weights) for TE's fused router under this config's routing semantics.
-
-    TE's sigmoid weights are renormalised exactly when K > 1; its softmax either takes the top-k of the
-    softmax over all experts (use_pre_softmax=True: our norm_topk_prob=false) or the softmax over the top-k
-    logits (our norm_topk_prob=true, the same choice unless group-limited routing scores groups on logits
-    rather than on probabilities). Where TE's weights mean ours, TE's fused forward and backward give them;
-    elsewhere TE makes the choice (on probabilities) and the weights are our scores of the chosen experts.
-    """
-    k, grouped = cfg.num_experts_per_tok, cfg.n_routing_groups is not None
-    if cfg.routed_score_func == "sigmoid":
-        return False, cfg.norm_topk_prob == (k > 1)
-    return not cfg.norm_topk_prob or grouped, not (cfg.norm_topk_prob and grouped)
 
 
 def _te_topk(te, logits_TE, bias_E, cfg):

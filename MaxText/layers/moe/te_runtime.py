@@ -40,12 +40,13 @@ def import_te():
         from transformer_engine.common import recipe
         from transformer_engine.jax import dense, ep, moe, router
         from transformer_engine.jax.cpp_extensions.ep import get_ep_config
-        from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode, noop_quantizer_set
+        from transformer_engine.jax.quantize import QuantizerFactory, QuantizerSet, ScalingMode, noop_quantizer_set
         from transformer_engine.jax.sharding import MeshResource, global_shard_guard
     except Exception as e:  # noqa: BLE001 - OSError, ImportError, RuntimeError all mean "not usable"
         raise TEUnavailable(f"Transformer Engine could not be imported ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else 'no message'})") from None
     return dict(recipe=recipe, dense=dense, ep=ep, moe=moe, router=router, QuantizerFactory=QuantizerFactory,
+                QuantizerSet=QuantizerSet,
                 ScalingMode=ScalingMode, noop_quantizer_set=noop_quantizer_set, MeshResource=MeshResource,
                 global_shard_guard=global_shard_guard, ep_config=get_ep_config)
 
@@ -157,9 +158,17 @@ def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
                 drop_on_overflow=cfg.ragged_buffer_factor is not None)
 
 
+def moe_signature(bootstrap_args: dict, mesh_shape) -> tuple:
+    """What TE's fused MoE block checks each call against (moe.py record_ep_bootstrap_signature_for_moe's arguments,
+    in its order), from ep_bootstrap_args."""
+    a = bootstrap_args
+    return (a["num_experts"], a["max_tokens_per_rank"], a["recv_capacity_per_rank"], a["hidden_dim"],
+            mesh_shape["expert"])
+
+
 def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
     """NCCL EP's one-time set-up (eager, before the first compile, inside jax.set_mesh and mesh_context);
-    a no-op unless te_dropless runs TE kernels with expert parallelism. Overflow beyond a smaller
+    a no-op unless te_dropless runs TE kernels with expert parallelism or TE's fused block (te_moe_block). Overflow beyond a smaller
     ragged_buffer_factor is dropped by NCCL EP and reported through total_recv_tokens; the dropless
     default never overflows."""
     shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
@@ -170,12 +179,15 @@ def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
                           f"GPU (this process has {jax.local_device_count()}); launch with scripts/launch.sh "
                           "or use te_kernels=reference")
     te = import_te()
+    args = ep_bootstrap_args(cfg, shape, global_batch)
     # TE's self-hosted NCCL path forms the EP groups from mesh.devices (ep.py _ep_domain_for_rank), which only
     # the legacy `with mesh:` context exposes: under jax.set_mesh alone TE sees an AbstractMesh and raises.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         with mesh:
-            te["ep"].ep_bootstrap(rank=jax.process_index(), **ep_bootstrap_args(cfg, shape, global_batch))
+            te["ep"].ep_bootstrap(rank=jax.process_index(), **args)
+    if cfg.te_moe_block:  # TE's block refuses to run until told what NCCL EP was bootstrapped with
+        te["moe"].record_ep_bootstrap_signature_for_moe(*moe_signature(args, shape))
 
 
 @contextlib.contextmanager
