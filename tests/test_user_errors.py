@@ -70,6 +70,8 @@ MISTAKES = [
     ("renamed XLA flag", ["xla_flags=--xla_gpu_enable_nccl_symmetric_buffers=true"],
      "did you mean --xla_gpu_experimental_enable_nccl_symmetric_buffers"),
     ("TE kernels without a GPU", args(TINY, ["moe_impl=te_dropless"]), "needs an NVIDIA GPU"),
+    ("TE's block without a GPU", args(TINY, ["te_moe_block=true"]),
+     "te_moe_block=true (TE's fused MoE block) needs an NVIDIA GPU"),
     ("no corpus named", args(TINY, ["dataset_type=tfds", "dataset_name=null"]), "dataset_name is not set"),
     ("missing tokenizer file", args(TINY, ["dataset_type=tfds", "tokenizer_path=/nope/tokenizer.json"]),
      "tokenizer_path=/nope/tokenizer.json does not exist"),

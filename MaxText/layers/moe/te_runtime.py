@@ -62,7 +62,8 @@ def _compute_capability() -> float | None:
 def uses_te(cfg) -> str | None:
     """What in this config runs Transformer Engine's kernels (for its error lines), or None."""
     if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto":
-        return "moe_impl=te_dropless with te_kernels=auto"
+        return ("te_moe_block=true (TE's fused MoE block)" if cfg.te_moe_block
+                else "moe_impl=te_dropless with te_kernels=auto")
     if cfg.quantization != "none":
         return f"quantization={cfg.quantization}"
     return None
@@ -74,8 +75,13 @@ def check_available(cfg) -> None:
     user = uses_te(cfg)
     if user is None:
         return
-    alternatives = ("use te_kernels=reference (same semantics in pure JAX) or moe_impl=ragged"
-                    if user.startswith("moe_impl") else "use quantization=none (bf16 GEMMs, any platform)")
+    if user.startswith("te_moe_block"):
+        alternatives = ("use te_moe_block=false with te_kernels=reference (the composed path's semantics in pure JAX) "
+                        "or moe_impl=ragged")
+    elif user.startswith("moe_impl"):
+        alternatives = "use te_kernels=reference (same semantics in pure JAX) or moe_impl=ragged"
+    else:
+        alternatives = "use quantization=none (bf16 GEMMs, any platform)"
     capability = _compute_capability()
     if capability is None:
         raise ConfigError(f"{user} needs an NVIDIA GPU and this machine has none ({jax.default_backend()} "
