@@ -119,7 +119,7 @@ def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
     # fsdp 8 x expert 8 in each NVL72 rack, fsdp 2 across the two: 8 (and 64) members of each group per rack
     assert (layout.ep, layout.fsdp, layout.fsdp_dense, layout.fsdp_local, layout.fsdp_dense_local) == (
         8, 16, 128, 8, 64)
-    assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "gpu"
+    assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "node"
     assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
     assert plan_command.main([GB200_RECIPE]) == 0
     table = capsys.readouterr().out
@@ -232,3 +232,24 @@ def test_tes_fused_block_is_charged_its_recomputed_forward():
     assert times[1]["compute_s"]["grouped_gemm"] > times[0]["compute_s"]["grouped_gemm"]
     none = [load_config([recipe, "remat_policy=none", *extra]) for extra in ([], ["te_moe_block=true"])]
     assert steptime.recompute_fraction(none[0]) == steptime.recompute_fraction(none[1]) == 0.0
+
+
+def test_nccl_ep_crosses_the_nics_once_per_destination_node():
+    """TE's NCCL EP runs NCCL EP's high-throughput algorithm: RDMA between nodes, NVLink inside one (NVIDIA/nccl
+    contrib/nccl_ep/README.md). Across nodes (the H100 recipe: EP 32 over 4 nodes of 8) a token's rows on the NICs
+    are its expected destination nodes, not GPUs; inside one NVLink domain (the GB200 recipe: EP 8 in an NVL72)
+    there is no node hop and each destination GPU gets its row, as when a row went to each GPU."""
+    for recipe, shape, hardware, nodes in (
+            ("configs/gpu/deepseek3-671b-h100-256.yml", {"data": 1, "fsdp": 8, "expert": 32, "tensor": 1}, "h100", 4),
+            (GB200_RECIPE, {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}, "gb200", None)):
+        cfg = load_config([recipe])
+        m, hw = steptime.Model.from_config(cfg, 671e9), steptime.HARDWARE[hardware]
+        lay = steptime.layout_from_config(cfg, shape, 256 if hardware == "h100" else 128)
+        assert lay.dispatch_per == "node", recipe
+        ep = {per: steptime.comm_time(m, lay._replace(dispatch_per=per), hw, 4096.0)["ep"] for per in ("node", "gpu")}
+        if nodes is None:
+            assert ep["node"] == pytest.approx(ep["gpu"]), (recipe, ep)
+        else:
+            ratio = (steptime.expected_destinations(m.experts, m.top_k, nodes, m.groups, m.keep)
+                     / steptime.expected_destinations(m.experts, m.top_k, 32, m.groups, m.keep))
+            assert ep["node"] == pytest.approx(ep["gpu"] * ratio) and ratio < 0.7, (recipe, ep, ratio)

@@ -140,7 +140,9 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         fsdp_dense_local=_local(ici("fsdp") * ici("expert"), ici("tensor"), fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
         dense_precision="fp8" if cfg.quantization != "none" else "",
-        dispatch_per="gpu" if nccl_ep or (cfg.moe_impl == "ragged" and cfg.ep_dedup) else "slot",
+        # NCCL EP's high-throughput algorithm (TE's) is hierarchical: RDMA between nodes, NVLink inside one (NVIDIA/nccl
+        # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
+        dispatch_per="node" if nccl_ep else "gpu" if cfg.moe_impl == "ragged" and cfg.ep_dedup else "slot",
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
@@ -323,9 +325,12 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
     expert_dp = lay.devices // (lay.ep * lay.pp * lay.fsdp)
     comm = {}
     if lay.ep > 1 and m.experts > 1:
-        units = {"slot": None, "gpu": lay.ep, "node": max(1, lay.ep * lay.tp // hw.nvlink_domain)}[lay.dispatch_per]
-        rows = k if units is None else expected_destinations(m.experts, k, units, m.groups, m.keep)
         crosses = lay.ep * lay.tp > hw.nvlink_domain
+        # "node": one row per destination node across the NICs (fanned out over NVLink there); inside one NVLink
+        # domain there is no such hop, and a token goes to each destination GPU.
+        nodes = max(1, lay.ep * lay.tp // hw.nvlink_domain) if crosses else lay.ep
+        units = {"slot": None, "gpu": lay.ep, "node": nodes}[lay.dispatch_per]
+        rows = k if units is None else expected_destinations(m.experts, k, units, m.groups, m.keep)
         remote = (1 - hw.nvlink_domain / (lay.ep * lay.tp)) if crosses else (1 - 1 / lay.ep)
         bw = (hw.nic_gbps if crosses else hw.nvlink_gbps) * 1e9 * ALL_TO_ALL_EFFICIENCY
         # dispatch and combine forward, their transposes backward, the dispatch again where recomputed
