@@ -189,9 +189,14 @@ def patch_tex(monkeypatch, cfg, mesh_shape, global_batch: int) -> NcclEpDouble:
     shape = dict(mesh_shape)
     args = te_runtime.ep_bootstrap_args(cfg, shape, global_batch)
     monkeypatch.setattr(moe, "_te_ep_bootstrap_signature", te_runtime.moe_signature(args, shape))
-    groups = math.prod(n for axis, n in shape.items() if axis in ("data", "fsdp"))
-    monkeypatch.setattr(tex_ep, "_ep_config", te_trace.ep_config(cfg, shape, global_batch, groups))
+    monkeypatch.setattr(tex_ep, "_ep_config", ep_config(cfg, shape, global_batch))
     return double
+
+
+def ep_config(cfg, mesh_shape, global_batch: int):
+    """TE's EpConfig for the bootstrap the double models; its EP groups: the one outer batch axis beside `expert`."""
+    groups = math.prod(n for axis, n in mesh_shape.items() if axis in ("data", "fsdp"))
+    return te_trace.ep_config(cfg, dict(mesh_shape), global_batch, groups)
 
 
 def _dispatch_body(*, num_experts, ep_size, ep_axis, align, recv_rows):
@@ -272,9 +277,7 @@ def kernels(cfg, mesh_shape, global_batch: int) -> te_kernels.Kernels:
     get_moe_recv_capacity_per_rank from it)."""
     from transformer_engine.jax import moe
 
-    # TE's EpConfig for the bootstrap the double models; its EP groups: the one outer batch axis beside `expert`.
-    config = te_trace.ep_config(cfg, dict(mesh_shape), global_batch,
-                                math.prod(n for axis, n in mesh_shape.items() if axis in ("data", "fsdp")))
+    config = ep_config(cfg, mesh_shape, global_batch)
     return te_kernels.Kernels("nccl_ep_double", te_kernels.reference_topk, slack_grouped_gemm,
                               {"ep": namespace(cfg, mesh_shape, global_batch), "moe": moe,
                                "ep_config": lambda: config})

@@ -129,8 +129,8 @@ def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
 
 
 RECIPES = sorted(glob.glob(os.path.join("configs", "gpu", "*.yml")))
-_MODELLED = re.compile(r"^# Modelled: step ([\d.]+) s, (\d+) tokens/s/GPU, (\d+) TFLOP/s/GPU, MFU (\d+)%, bound by (\w+)",
-                       re.M)
+_MODELLED = re.compile(r"^# Modelled: step ([\d.]+) s, (\d+) tokens/s/GPU, (\d+) TFLOP/s/GPU, MFU (\d+)%, "
+                       r"bound by (\w+)", re.M)
 _PUBLISHED = re.compile(r"^# Published[^:]*: .*(\d+ tokens/s/GPU|\d+ TFLOP/s/GPU)", re.M)
 
 
@@ -223,7 +223,8 @@ def test_quantization_speeds_up_the_quantizable_dense_gemms_only():
 def test_tes_fused_block_is_charged_its_recomputed_forward():
     """te_moe_block=true: TE's block names none of its outputs, so under a remat policy that keeps the expert GEMMs
     (custom, on NVIDIA's GB200 recipe) its whole forward runs again in the backward: the model charges those GEMMs
-    and the dispatch again; with remat_policy=none nothing is recomputed either way."""
+    again (and, through the recompute fraction, the dispatch); with remat_policy=none nothing is recomputed either
+    way."""
     recipe = "configs/gpu/deepseek3-671b-nvidia-gb200-128.yml"
     composed, block = (load_config([recipe, *extra]) for extra in ([], ["te_moe_block=true"]))
     assert composed.remat_policy == "custom" and composed.moe_mlpwi_0 != "remat", "the recipe keeps its expert GEMMs"

@@ -158,7 +158,8 @@ def test_deepseek3_tiny_trains_through_te_block_on_cpu(at_sm, monkeypatch, tmp_p
         np.testing.assert_allclose(last["block"][key], last["reference"][key], rtol=0.1, err_msg=key)
     assert np.sum(last["block"]["moe_overflow"]) == 0.0, last["block"]["moe_overflow"]
     mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
-    shapes = {name: jax.tree.map(lambda a: (a.shape, a.dtype), state_spec(c, mesh).abstract) for name, c in cfgs.items()}
+    shapes = {name: jax.tree.map(lambda a: (a.shape, a.dtype), state_spec(c, mesh).abstract)
+              for name, c in cfgs.items()}
     assert shapes["block"] == shapes["reference"], "te_moe_block changes the model state's layout"
 
 

@@ -318,8 +318,8 @@ def _ep_lines(check: str, r: dict) -> list[str]:
     rows, column = r["report"]["rows"], r["report"].get("columns", ["te_dropless"])[0]
     worst = max(rows, key=lambda row: row["te_vs_float32"] / row["tolerance"] if row["tolerance"] else 0.0)
     bad = [f"{row['routing']}/{row['quantity']}" for row in rows if not row["ok"]]
-    return [f"{check}: {r['ranks']} GPUs, mesh {r['report']['mesh']}: worst {column} error {worst['te_vs_float32']:.2e} "
-            f"({worst['routing']}/{worst['quantity']}, tolerance {worst['tolerance']:.0e})"
+    return [f"{check}: {r['ranks']} GPUs, mesh {r['report']['mesh']}: worst {column} error "
+            f"{worst['te_vs_float32']:.2e} ({worst['routing']}/{worst['quantity']}, tolerance {worst['tolerance']:.0e})"
             + (f"; out of tolerance: {', '.join(bad)}" if bad else ""), f"table: {r['report_path']}"]
 
 

@@ -69,8 +69,8 @@ def _check_te_moe_block(cfg) -> None:
                           f"in BF16 or MXFP8 only; set te_gmm_quantization=none or mxfp8, {fix}")
     if cfg.te_gmm_quantization == "mxfp8" and (cfg.base_emb_dim % 128 or cfg.base_moe_mlp_dim % 128):
         raise ConfigError(f"te_moe_block=true with te_gmm_quantization=mxfp8 needs base_emb_dim and base_moe_mlp_dim "
-                          f"to be multiples of 128 (they are {cfg.base_emb_dim} and {cfg.base_moe_mlp_dim}): TE's block "
-                          "quantizes NCCL EP's receive buffer, whose expert groups stop short of its end, and only "
+                          f"to be multiples of 128 (they are {cfg.base_emb_dim} and {cfg.base_moe_mlp_dim}): TE's "
+                          "block quantizes NCCL EP's receive buffer, whose expert groups stop short of its end, and only "
                           f"TE's V2 MXFP8 kernels (128-multiple widths) take that; {fix}")
     if not te_router_mode(cfg)[1]:
         raise ConfigError(f"norm_topk_prob={str(cfg.norm_topk_prob).lower()}: with routed_score_func="

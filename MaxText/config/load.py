@@ -298,7 +298,8 @@ def _map_upstream_spellings(values: dict[str, Any], explicit_moe_impl: bool) -> 
         raise ConfigError(f"{spelling} means moe_impl={impl}, but moe_impl={values['moe_impl']} is also set; "
                           "keep only moe_impl")
     if values["te_moe_block"]:
-        logging.warning("config: te_moe_block=true runs Transformer Engine's fused MoE block, under moe_impl=te_dropless")
+        logging.warning("config: te_moe_block=true runs Transformer Engine's fused MoE block, under "
+                        "moe_impl=te_dropless")
     else:
         logging.warning("config: %s is MaxText's spelling of moe_impl=%s; using moe_impl=%s", spelling, impl, impl)
     values["moe_impl"] = impl

@@ -18,6 +18,7 @@ from MaxText.layers.moe.te_runtime import import_te
 from MaxText.parallel.checks import DATA_AXES
 from MaxText.parallel.sharding import logical_to_spec
 
+
 def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The contracted positions of an einsum "xs,ws->out" of two operands: (in x, in w)."""
     inputs, out = spec.split("->")

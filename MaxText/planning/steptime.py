@@ -147,8 +147,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
-        dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom" and cfg.moe_dispatch == "remat")
-        or bool(cfg.te_moe_block and cfg.remat_policy != "none"),  # TE's block keeps no named residual
+        dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom"
+                                                           and cfg.moe_dispatch == "remat"),
         grad_accumulation=cfg.gradient_accumulation_steps)
 
 

@@ -17,7 +17,6 @@ refuses `te_kernels=auto` without an NVIDIA GPU (te_runtime.check_available).
 from __future__ import annotations
 
 import collections
-
 import contextlib
 import enum
 import importlib.util

@@ -49,12 +49,11 @@ def quantizer_sets(te, quantization: str, data_shards: int, num_experts: int):
     return fc, fc
 
 
-def moe_ffn(x_BLD, gate_DE, bias_E, w: ExpertWeights, cfg, rules, kernels=None):
+def moe_ffn(x_BLD, gate_DE, bias_E, w: ExpertWeights, cfg, rules):
     """(y_TD, {"overflow": receive rows over capacity, over all ranks}) of TE's fused block on the current mesh.
     bias_E (None without routed_bias) steers the choice only; config/checks.py has refused what the block cannot
     compute, te_runtime.bootstrap_ep has bootstrapped NCCL EP and recorded it for the block."""
-    kernels = kernels or te_kernels.kernels(cfg)
-    te = kernels.te
+    te = te_kernels.kernels(cfg).te
     layout = mesh_layout(rules)
     mesh = jax.sharding.get_abstract_mesh()
     b, l, d = x_BLD.shape

@@ -174,9 +174,9 @@ def moe_signature(bootstrap_args: dict, mesh_shape) -> tuple:
 
 def bootstrap_ep(cfg, mesh, global_batch: int) -> None:
     """NCCL EP's one-time set-up (eager, before the first compile, inside jax.set_mesh and mesh_context);
-    a no-op unless te_dropless runs TE kernels with expert parallelism or TE's fused block (te_moe_block). Overflow beyond a smaller
-    ragged_buffer_factor is dropped by NCCL EP and reported through total_recv_tokens; the dropless
-    default never overflows."""
+    a no-op unless te_dropless runs TE kernels with expert parallelism or TE's fused block (te_moe_block).
+    Overflow beyond a smaller ragged_buffer_factor is dropped by NCCL EP and reported through total_recv_tokens;
+    the dropless default never overflows."""
     shape = dict(mesh.shape)  # checked for NCCL EP when the mesh was made (parallel/checks.py)
     if not nccl_ep_used(cfg, shape):
         return
