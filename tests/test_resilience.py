@@ -1,6 +1,7 @@
 """Stopping cleanly: a non-finite step is never checkpointed, and SIGTERM or Ctrl-C checkpoints and exits 0."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -440,6 +441,30 @@ def _small_disk(path):
             ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True).returncode:
         pytest.skip("needs root and mount (a real filesystem to fill)")
     return path
+
+
+def test_a_python_write_that_fails_without_a_file_name_is_named_from_its_traceback(tmp_path):
+    """Orbax writes its JSON metadata through etils' Path.write_text, whose failed write or close raises an OSError
+    naming no file (ENOSPC struck there in one CI run of the test below): the file is the path under the checkpoint
+    directory that the innermost frame holding one was writing; a path outside it is not taken for it."""
+    from etils import epath
+
+    (tmp_path / "4.orbax-checkpoint-tmp").mkdir()
+    target = epath.Path(tmp_path) / "4.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA"
+
+    def write_text(path, text):  # as a full disk fails it: at write or close, with errno only
+        with open(path, "w") as f:
+            f.write(text)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def save(elsewhere):
+        write_text(target, "{}")
+
+    with pytest.raises(OSError) as failed:
+        save(epath.Path("/somewhere/else"))
+    assert checkpointing.os_reason(failed.value, tmp_path) == (
+        "No space left on device (ENOSPC) writing 4.orbax-checkpoint-tmp/_CHECKPOINT_METADATA")
+    assert checkpointing.os_reason(failed.value, "/runs/r/checkpoints") == "No space left on device (ENOSPC)"
 
 
 def test_a_real_disk_that_fills_during_a_save_is_one_line_naming_enospc(tmp_path, capfd, monkeypatch):

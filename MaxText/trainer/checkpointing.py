@@ -351,7 +351,8 @@ def os_reason(error: Exception, root) -> str:
     text = " ".join(str(error).split())
     path = None
     if isinstance(error, OSError) and error.errno in errno.errorcode:
-        reason, path = f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})", error.filename
+        reason = f"{os.strerror(error.errno)} ({errno.errorcode[error.errno]})"
+        path = error.filename or _path_in_hand(error, root)
     else:  # the reason is looked for outside the quoted paths (a directory may be named anything)
         bare = _QUOTED_PATH.sub(lambda m: " " * len(m.group(0)), text)
         found = [(bare.find(words), words, name) for words, name in _STRERRORS if words in bare]
@@ -365,6 +366,18 @@ def os_reason(error: Exception, root) -> str:
         return reason
     path, root = str(path), str(root).rstrip("/") + "/"
     return f"{reason} writing {_middle(path[len(root):] if path.startswith(root) else path, 120)}"
+
+
+def _path_in_hand(error: BaseException, root) -> str | None:
+    """The file a Python write was on when it raised an OSError that names none (a write or close that runs out of
+    space: Orbax's JSON metadata through etils' Path.write_text): the path under root held by the innermost frame
+    of the traceback that holds one, else None."""
+    root = str(root).rstrip("/") + "/"
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        for value in frame.f_locals.values():
+            if isinstance(value, os.PathLike) and os.fspath(value).startswith(root):
+                return os.fspath(value)
+    return None
 
 
 def _middle(text: str, limit: int) -> str:
