@@ -18,7 +18,9 @@ the gpu_profile's compute capability (when the MoE runs TE kernels), nothing all
      is not exercised here.
      XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
      such as CPU's widening of bf16 collectives to float32), and MaxText.planning.collectives counts its collectives
-     per device per step: kind, dtype, bytes, loop trips multiplied through.
+     per device per step: kind, dtype, bytes, loop trips multiplied through; MaxText.planning.overlap reads
+     from the same module which exchange of a sliced MoE (num_moe_token_chunks) waits for another slice's
+     GEMMs and which can run under them.
 
 lowered(cfg, backend_optimization=False) leaves out XLA:CPU's backend optimisations, which run after that
 dump: the same result, sooner, where only the counts are read (tests/test_collectives.py lowers two configs
@@ -37,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from MaxText.planning import overlap
 from MaxText.planning.collectives import by_group, count_collectives, largest, summarize
 
 FFI_STOP = "No FFI handler registered for te_"
@@ -44,13 +47,18 @@ FFI_STOP = "No FFI handler registered for te_"
 _DUMP_OPTIONS = {"xla_dump_hlo_module_re": "jit_train_step", "xla_dump_hlo_pass_re": "spmd-partitioning"}
 
 
-def dumped_collectives(dump_dir: str, num_devices: int) -> dict | None:
-    """The collectives of the train step XLA dumped into dump_dir after SPMD partitioning (None: no dump)."""
+def dumped_module(dump_dir: str) -> str | None:
+    """XLA's text of the train step it dumped into dump_dir after SPMD partitioning (None: no dump)."""
     partitioned = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*after_spmd-partitioning*.txt")))
     if not partitioned:
         return None
     with open(partitioned[-1]) as f:
-        found, unknown_trips = count_collectives(f.read(), num_devices)
+        return f.read()
+
+
+def module_collectives(text: str, num_devices: int) -> dict:
+    """The collectives of a partitioned train step, as the lowering's JSON has them."""
+    found, unknown_trips = count_collectives(text, num_devices)
     return {"per_device_per_step": summarize(found), "by_group": by_group(found), "largest": largest(found),
             "loops_with_unknown_trips": unknown_trips}
 
@@ -124,9 +132,12 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
             stop = "compiled whole (no TE kernel)"
         except Exception as e:  # noqa: BLE001 - the only acceptable failure is the FFI stop, checked by the caller
             stop = str(e).splitlines()[0] if str(e) else type(e).__name__
+    module = dumped_module(dump_dir) if dump_dir else None
     return {
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
-        "collectives": dumped_collectives(dump_dir, mesh.devices.size) if dump_dir else None,
+        "collectives": module_collectives(module, mesh.devices.size) if module else None,
+        # the sliced MoE's exchanges: which wait for another slice's compute, which can run under it
+        "overlap": overlap.summarize(overlap.exchanges(module)) if module else None,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
         "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
         "te_ops": te_ops,

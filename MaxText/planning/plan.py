@@ -449,7 +449,7 @@ def format_table(p: dict) -> str:
     for name, value in st["compute_s"].items():
         lines.append(f"  {name:<20} {value:>10.2f}")
     for name, value in st["comm_s"].items():
-        share = steptime.OVERLAP.get(name)
+        share = st["overlap"].get(name)
         lines.append(f"  {name + ' comm':<20} {value:>10.2f}" + (f"   ({share:.0%} under compute)" if share else ""))
     lines.append(f"  {'exposed comm':<20} {st['exposed_comm_s']:>10.2f}")
     lines.append(f"step {st['step_s']:.2f} s: {st['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "

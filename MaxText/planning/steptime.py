@@ -18,8 +18,9 @@ hidden units over tensor parallelism, experts over expert parallelism):
             data-parallel gradient reduction, host offload over PCIe / NVLink-C2C. Given a lowering's
             collectives (module_comm), the module's own FSDP, DP and TP groups replace those formulas.
   overlap   each collective kind runs a stated fraction under compute (OVERLAP, EP_OVERLAP: assumptions per
-            mechanism, the same in every case, never tuned per case); the rest is exposed, and so is any
-            overlapped communication beyond the compute time.
+            mechanism, the same in every case, never tuned per case); this trainer's EP exchange, the fraction
+            its schedule allows (ep_hidden_fraction); the rest is exposed, and so is any overlapped
+            communication beyond the compute time.
   pipeline  a (pp - 1) / (microbatches x virtual stages) bubble on top (DualPipe: half of it).
 
 The step is bounded by whichever of compute or a collective kind takes longest. The constants below were set
@@ -111,6 +112,8 @@ class Layout(NamedTuple):
     dispatch_bytes: float = 2.0     # per element of a dispatched token (FP8 dispatch: 1)
     dispatch_per: str = "gpu"       # the EP dispatch sends one row per (token, destination): slot | gpu | node
     ep_overlap: str = "none"        # EP_OVERLAP
+    ep_slices: int = 1              # this trainer's MoE tokens in slices, each with its own exchanges
+                                    # (num_moe_token_chunks): ep_hidden_fraction
     dualpipe: bool = False          # DeepSeek's bidirectional pipeline: half the 1F1B bubble
     recompute: float = 0.0          # fraction of a layer's forward FLOPs recomputed in the backward
     attention_kernel: str = "flash"  # flash | xla
@@ -143,6 +146,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         # NCCL EP's high-throughput algorithm (TE's) is hierarchical: RDMA between nodes, NVLink inside one (NVIDIA/nccl
         # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
         dispatch_per="node" if nccl_ep else "gpu" if cfg.moe_impl == "ragged" and cfg.ep_dedup else "slot",
+        ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
@@ -359,6 +363,21 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
     return comm
 
 
+def ep_hidden_fraction(lay: Layout, t: dict, ep_s: float) -> float:
+    """The share of the EP exchange's time that runs under compute. A published run's mechanism states it
+    (ep_overlap: EP_OVERLAP). This trainer's follows from its schedule: with a layer's tokens in c slices
+    (num_moe_token_chunks), no slice's exchange depends on another slice's expert GEMMs, nor they on it (the
+    partitioned module says so: MaxText.planning.overlap, tests/test_overlap.py), so while one slice's GEMMs run
+    the next slice's dispatch or the previous one's combine can be in flight. All but the first dispatch and the
+    last combine, (c - 1) / c of the exchange, can hide, as far as the expert GEMMs last: min(E, G) (c - 1) / c.
+    A dispatch recomputed in the backward sits in a body of its own, beside no GEMM: exposed. One slice (NCCL
+    EP: a layer's tokens in one call) hides nothing."""
+    if lay.ep_overlap != "none" or lay.ep_slices <= 1 or ep_s <= 0:
+        return EP_OVERLAP[lay.ep_overlap]
+    beside_gemms = ep_s * (lay.dispatch_bytes + 6) / (lay.dispatch_bytes * (1 + lay.recompute) + 6)  # comm_time's
+    return min(beside_gemms, t["grouped_gemm"]) * (lay.ep_slices - 1) / lay.ep_slices / ep_s
+
+
 def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
     """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
     tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
@@ -367,14 +386,15 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'
         comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp")} | module_comm
 
-    overlap = OVERLAP | {"ep": EP_OVERLAP[lay.ep_overlap]}
+    overlap = OVERLAP | {"ep": ep_hidden_fraction(lay, t, comm.get("ep", 0.0))}
     hidden = sum(v * overlap[kind] for kind, v in comm.items())
     exposed = sum(v * (1 - overlap[kind]) for kind, v in comm.items()) + max(0.0, hidden - compute)
     microbatches = max(1, lay.global_batch // (lay.micro_batch * lay.devices // (lay.tp * lay.pp)))
     bubble = (lay.pp - 1) / (microbatches * lay.vp) * (0.5 if lay.dualpipe else 1.0) if lay.pp > 1 else 0.0
     step = (compute + exposed) * (1 + bubble)
     terms = {"compute": compute} | comm
-    return {"compute_s": t, "comm_s": comm, "exposed_comm_s": exposed, "bubble": bubble, "step_s": step,
+    return {"compute_s": t, "comm_s": comm, "overlap": {k: overlap[k] for k in comm}, "exposed_comm_s": exposed,
+            "bubble": bubble, "step_s": step,
             "tokens_per_s_per_gpu": lay.global_batch * lay.seq / lay.devices / step,
             "bound": max(terms, key=terms.get)}
 

@@ -12,6 +12,9 @@ every slot that found no room is counted (`overflow`).
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 
 from MaxText.layers.moe import te_kernels
@@ -66,10 +69,12 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
     def stages(x_TD, experts_TK, weights_TK, w):
         w = layout.gather(w, x_TD.dtype)
         ys, overflow = [], 0
-        for a, b in _chunks(x_TD.shape[0], chunks):
-            x_RD, group_sizes_E, handle = plan.dispatch(x_TD[a:b], Selection(experts_TK[a:b], weights_TK[a:b]))
-            y_RD = expert_ffn(x_RD, group_sizes_E, w, gemm)
-            ys.append(plan.combine(y_RD, handle))
+        for i, (a, b) in enumerate(_chunks(x_TD.shape[0], chunks)):
+            # the scope names the slice in XLA's metadata: MaxText.planning.overlap reads what waits for what
+            with jax.named_scope(f"moe_chunk{i}") if chunks > 1 else contextlib.nullcontext():
+                x_RD, group_sizes_E, handle = plan.dispatch(x_TD[a:b], Selection(experts_TK[a:b], weights_TK[a:b]))
+                y_RD = expert_ffn(x_RD, group_sizes_E, w, gemm)
+                ys.append(plan.combine(y_RD, handle))
             overflow = overflow + handle.overflow
         return layout.reduce(ys[0] if len(ys) == 1 else jnp.concatenate(ys), overflow)
 
