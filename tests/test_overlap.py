@@ -18,6 +18,7 @@ from MaxText.planning.plan import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "configs", "gpu", "deepseek3-671b-h100-256.yml")
+NVIDIA_GB200 = os.path.join(ROOT, "configs", "gpu", "deepseek3-671b-nvidia-gb200-128.yml")
 
 
 def _module(slice1_input: str, control: str = "") -> str:
@@ -62,7 +63,8 @@ def test_independent_slices_can_hide_each_others_exchanges():
     assert set(found) == {"send0", "back0", "send1", "back1"}
     assert all(not e.waits_for for e in found.values())
     # send0 can run under slice 1's loop, as can back0; slice 1's under slice 0's
-    assert [found[n].under for n in ("send0", "back0", "send1", "back1")] == [(1,), (1,), (0,), (0,)]
+    under = [found[n].under for n in ("send0", "back0", "send1", "back1")]
+    assert under == [("moe_chunk1",), ("moe_chunk1",), ("moe_chunk0",), ("moe_chunk0",)]
     assert found["back1"].op == "te_ep_combine" and overlap.summarize(list(found.values()))["hideable"] == 4
 
 
@@ -73,11 +75,11 @@ def test_an_exchange_that_waits_for_another_slices_gemms_is_found(slice1_input, 
     (a while whose body holds the dot), and so does slice 1's combine; slice 0's dispatch now feeds slice 1's
     loop (nothing to run under), while slice 0's combine, which slice 1 does not wait for, still can."""
     found = _by_name(overlap.exchanges(_module(slice1_input, control)))
-    assert found["send1"].waits_for == (0,) and found["back1"].waits_for == (0,)
-    assert found["send0"].under == () and found["back0"].under == (1,)
+    assert found["send1"].waits_for == ("moe_chunk0",) and found["back1"].waits_for == ("moe_chunk0",)
+    assert found["send0"].under == () and found["back0"].under == ("moe_chunk1",)
     summary = overlap.summarize(list(found.values()))
     assert len(summary["waiting"]) == 2, summary
-    assert summary["waiting"][0] == "body/send1 (all-to-all, slice 1): waits for slices 0", summary
+    assert summary["waiting"][0] == "body/send1 (all-to-all, moe_chunk1): waits for moe_chunk0", summary
 
 
 _LOWER = ("import json, sys; from MaxText.planning import lowering; from MaxText.config.load import load_config; "
@@ -87,7 +89,15 @@ _LOWER = ("import json, sys; from MaxText.planning import lowering; from MaxText
           "for d, a in json.loads(sys.argv[2])]))")
 TINY = ["configs/base.yml", "model_name=deepseek3-tiny", "num_devices=8", "dtype=bfloat16", "dataset_type=synthetic",
         "max_target_length=64", "per_device_batch_size=2", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4",
-        "num_moe_token_chunks=2"]
+        "gpu_profile=h100-sxm"]
+SPLIT = ["use_batch_split_schedule=true", "batch_split_factor=2"]
+# The tiny DeepSeek (MLA, a shared expert, MTP) two ways: ragged with its tokens in 2 chunks and its batch in 2 parts
+# (te_dropless's reference path slices as ragged does: the same ExpertParallel dispatcher around another local
+# sort); TE's kernels (NCCL EP) with the batch in 2 parts.
+TINY_CASES = {"ragged": ["moe_impl=ragged", "num_moe_token_chunks=2", *SPLIT],
+              "NCCL EP": ["moe_impl=te_dropless", *SPLIT]}
+OTHER = {"moe_chunk0": "moe_chunk1", "moe_chunk1": "moe_chunk0", "batch_split0": "batch_split1",
+         "batch_split1": "batch_split0"}
 
 
 def _lower(num_devices: int, jobs: list) -> list[dict]:
@@ -100,37 +110,47 @@ def _lower(num_devices: int, jobs: list) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tiny_dumps(tmp_path_factory):
-    """The tiny DeepSeek on fsdp 2 x expert 4 with its tokens in 2 slices, ragged and te_dropless's reference
-    path, lowered with XLA's dump of the partitioned step kept: {impl: (lowering JSON, module text)}."""
-    impls = {"ragged": ["moe_impl=ragged"], "te_dropless": ["moe_impl=te_dropless", "te_kernels=reference"]}
-    dirs = {impl: str(tmp_path_factory.mktemp(impl)) for impl in impls}
-    results = _lower(8, [(dirs[impl], TINY + extra) for impl, extra in impls.items()])
+    """TINY_CASES on fsdp 2 x expert 4, lowered with XLA's dump of the partitioned step kept (TE traced at SM 90
+    for NCCL EP, which stops at TE's first kernel after partitioning): {case: (lowering JSON, module text)}."""
+    dirs = {case: str(tmp_path_factory.mktemp(case.replace(" ", "_"))) for case in TINY_CASES}
+    results = _lower(8, [(dirs[case], TINY + extra) for case, extra in TINY_CASES.items()])
     out = {}
-    for impl, result in zip(impls, results):
+    for case, result in zip(TINY_CASES, results):
         assert result["ok"], result
-        (path,) = glob.glob(os.path.join(dirs[impl], "*after_spmd-partitioning*.txt"))
+        (path,) = glob.glob(os.path.join(dirs[case], "*after_spmd-partitioning*.txt"))
         with open(path) as f:
-            out[impl] = (result, f.read())
+            out[case] = (result, f.read())
     return out
 
 
-@pytest.mark.parametrize("impl", ["ragged", "te_dropless"])
-def test_no_slice_of_the_partitioned_step_waits_for_another_slices_gemms(tiny_dumps, impl):
-    """Forward and backward (each a shard_map body of its own after partitioning): every exchange of one slice is
-    free of the other slice's GEMMs, and wherever a body holds both slices' GEMMs each exchange can run under
-    the other slice's; a body of exchanges alone (the dispatch recomputed for the backward) has none to run under."""
-    result, module = tiny_dumps[impl]
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_no_slice_of_the_partitioned_step_waits_for_another_slices_compute(tiny_dumps, case):
+    """Forward and backward: no exchange of one slice waits for another slice's compute. Chunks: inside the MoE's
+    shard_map bodies, wherever a body holds both chunks' GEMMs, each exchange can run under the other chunk's (a
+    body of exchanges alone, the dispatch recomputed for the backward, has none). Parts: in the layer, each part's
+    MoE (its shard_map call, or NCCL EP's calls) can run under the other part's compute, every one of them."""
+    result, module = tiny_dumps[case]
     found = overlap.exchanges(module)
     assert result["overlap"] == overlap.summarize(found)
-    assert {e.slice for e in found} == {0, 1} and not [e for e in found if e.waits_for]
-    bodies = {e.computation for e in found}
-    with_gemms = {e.computation for e in found if e.under}
-    assert len(with_gemms) >= 2, bodies  # the forward and the backward at least
-    for e in found:
+    assert not [e for e in found if e.waits_for], overlap.summarize(found)["waiting"]
+    chunks = [e for e in found if e.slice.startswith("moe_chunk")]
+    parts = [e for e in found if e.slice.startswith("batch_split")]
+    assert bool(chunks) == ("num_moe_token_chunks=2" in TINY_CASES[case])
+    assert bool(parts) == ("batch_split_factor=2" in TINY_CASES[case])
+    with_gemms = {e.computation for e in chunks if e.under}
+    assert not chunks or len(with_gemms) >= 2, found  # the forward and the backward at least
+    for e in chunks:
         if e.computation in with_gemms:
-            assert e.under == (1 - e.slice,), e
-    # The ops the step's MoE exchanges with: all-to-all (XLA:CPU has no ragged one: ep.py emulates it)
-    assert {e.op for e in found} == {"all-to-all"}
+            assert e.under == (OTHER[e.slice],), e
+    for e in parts:
+        assert e.under == (OTHER[e.slice],), e
+    # XLA:CPU has no ragged all-to-all (ep.py emulates it); NCCL EP's five calls inside TE's partitioned ops
+    ops = {e.op for e in found}
+    if case == "NCCL EP":
+        assert ops == {f"call(te_ep_{op}_ffi)" for op in ("prepare", "dispatch", "combine", "dispatch_bwd",
+                                                        "combine_bwd")}, ops
+    else:
+        assert ops <= {"all-to-all", "call(all-to-all)"} and "all-to-all" in ops, ops
 
 
 def test_a_dependency_added_to_the_real_module_is_found(tiny_dumps):
@@ -138,34 +158,35 @@ def test_a_dependency_added_to_the_real_module_is_found(tiny_dumps):
     (a control edge, as a scheduler's ordering would) waits for slice 0."""
     _, module = tiny_dumps["ragged"]
     found = overlap.exchanges(module)
-    body = next(e.computation for e in found if e.under)
+    body = next(e.computation for e in found if e.under and e.slice.startswith("moe_chunk"))
     text = module[module.index(f"%{body} "):]
     text = text[:text.index("\n}\n")]
     gemm = re.search(r"%([\w.\-]+) = [^\n]*? dot\([^\n]*op_name=\"moe_chunk0/", text).group(1)
     # a slice 1 exchange listed after that dot (HLO's text lists an instruction after all it depends on)
-    target = next(e.name for e in found if e.computation == body and e.slice == 1
+    target = next(e.name for e in found if e.computation == body and e.slice == "moe_chunk1"
                   and text.index(f"%{e.name} = ") > text.index(f"%{gemm} = "))
     line = re.search(rf"\n(\s*%{re.escape(target)} = [^\n]*?)(, metadata=)", module)
     mutated = module[:line.start(2)] + f", control-predecessors={{%{gemm}}}" + module[line.start(2):]
     changed = _by_name(overlap.exchanges(mutated))[target]
-    assert changed.waits_for == (0,) and _by_name(found)[target].waits_for == ()
+    assert changed.waits_for == ("moe_chunk0",) and _by_name(found)[target].waits_for == ()
 
 
-def test_the_full_scale_recipe_sliced_hides_its_exchanges(tmp_path):
-    """The H100 recipe at full scale (256 simulated devices), moe_impl=ragged with its tokens in 2 slices: in XLA's
-    partitioned module no exchange waits for the other slice's GEMMs and each has the other slice's to run under.
-    (The recipe's own path, NCCL EP, dispatches a layer's tokens in one call: nothing to slice.)"""
-    argv = [H100, "moe_impl=ragged", "num_moe_token_chunks=2", "te_gmm_quantization=none", "quantization=none"]
-    (result,) = _lower(256, [(str(tmp_path), argv)])
+def test_the_full_scale_recipe_split_hides_its_exchanges(tmp_path):
+    """Full scale: NVIDIA's GB200 recipe (128 simulated devices) on its own path, TE's kernels with NCCL EP, with the
+    batch in 2 parts. In XLA's partitioned module no exchange waits for the other part's compute and each has the
+    other part's to run under. (A ragged recipe compiles whole on CPU, minutes at full scale: by hand, as the
+    README says.)"""
+    (result,) = _lower(load_config([NVIDIA_GB200]).num_devices, [(str(tmp_path), [NVIDIA_GB200, *SPLIT])])
     assert result["ok"], result
     summary = result["overlap"]
-    assert summary["slices"] == 2 and summary["waiting"] == [] and summary["hideable"] == summary["exchanges"] > 0
+    assert summary["slices"] == ["batch_split0", "batch_split1"] and summary["waiting"] == []
+    assert summary["hideable"] == summary["exchanges"] > 0
 
 
 def test_the_model_credits_what_the_slices_allow():
     """ep_hidden_fraction: nothing without slices or under NCCL EP (one call a layer); with c slices (c - 1) / c of
     the exchange beside the expert GEMMs, as far as those GEMMs last; the recipes' own numbers unchanged."""
-    argv = [H100, "moe_impl=ragged", "te_gmm_quantization=none", "quantization=none"]
+    argv = [H100, "moe_impl=ragged", "te_gmm_quantization=none", "quantization=none", "use_batch_split_schedule=false"]
     steps = {c: plan(load_config([*argv, f"num_moe_token_chunks={c}"]))["step_time"] for c in (1, 2, 4)}
     fractions = {c: st["overlap"]["ep"] for c, st in steps.items()}
     ep, gemm = steps[1]["comm_s"]["ep"], steps[1]["compute_s"]["grouped_gemm"]
@@ -173,9 +194,24 @@ def test_the_model_credits_what_the_slices_allow():
     for c in (2, 4):
         assert fractions[c] == pytest.approx(gemm * (c - 1) / c / ep, rel=1e-9)
     assert steps[2]["exposed_comm_s"] < steps[1]["exposed_comm_s"]
-    nccl_ep = plan(load_config([H100]))["step_time"]
+    nccl_ep = plan(load_config([H100, "use_batch_split_schedule=false"]))["step_time"]
     assert nccl_ep["overlap"]["ep"] == 0.0
     lay = steptime.Layout(8, 4096, 8, ep=8, ep_slices=2, recompute=1.0)
-    t = {"grouped_gemm": 10.0}
+    t = {"grouped_gemm": 10.0, "dense_gemm": 5.0, "attention": 5.0}
     # a recomputed dispatch (2 of the 10 bytes a row) sits beside no GEMM
     assert steptime.ep_hidden_fraction(lay, t, 1.0) == pytest.approx(8 / 10 / 2)
+    # the batch in parts: the whole exchange beside all the layer's compute; 2 parts x 2 chunks, 3 of 4 slices
+    assert steptime.ep_hidden_fraction(lay._replace(batch_parts=2), t, 1.0) == pytest.approx(3 / 4)
+    assert steptime.ep_hidden_fraction(lay._replace(batch_parts=2), t, 40.0) == pytest.approx(20 * 3 / 4 / 40)
+
+
+def test_the_model_credits_a_split_batch_on_nccl_ep_and_charges_its_sms():
+    """NVIDIA's GB200 recipe (NCCL EP, one call a layer) with the batch in 2 parts: half its exchange under the other
+    part's compute (which outlasts it), the compute slowed by the SMs the exchange holds meanwhile; the step faster."""
+    whole, split = (plan(load_config([NVIDIA_GB200, *extra]))["step_time"] for extra in ([], SPLIT))
+    ep = whole["comm_s"]["ep"]
+    assert whole["overlap"]["ep"] == 0.0 and split["overlap"]["ep"] == pytest.approx(0.5)
+    share = steptime.FULL_OVERLAP_SM_SHARE
+    slowed = sum(split["compute_s"].values()) + ep * 0.5 * share / (1 - share)
+    assert split["exposed_comm_s"] < whole["exposed_comm_s"] and split["step_s"] < whole["step_s"]
+    assert split["step_s"] == pytest.approx(slowed + split["exposed_comm_s"], rel=1e-9)

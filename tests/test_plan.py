@@ -124,7 +124,8 @@ def test_layer_weights_are_one_layer_of_a_dense_model(scan):
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "gpu", "*.yml")))
 # Each recipe's own hbm_gib is its target; the H100 recipe also names its H200 variant in its header.
 VARIANTS = [(r, []) for r in RECIPES] + [(os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-h100-256.yml"),
-                                          ["hbm_gib=140.4", "per_device_batch_size=3"])]
+                                          ["hbm_gib=140.4", "per_device_batch_size=3",
+                                           "batch_split_factor=3"])]
 
 
 @pytest.mark.parametrize("recipe,extra", VARIANTS, ids=lambda x: os.path.basename(x) if isinstance(x, str) else

@@ -201,6 +201,11 @@ SCHEMA: dict[str, Key] = {
     "num_moe_token_chunks": Key(int, low=1, doc=
         'ragged/te_dropless (reference) expert parallelism: the tokens in this many slices, each with its own all-to-'
         "alls, so one slice's exchange can overlap another's GEMMs; same result"),
+    "use_batch_split_schedule": Key(bool, doc=
+        "split each device's batch into batch_split_factor parts that run every layer side by side, so one part's "
+        "expert-parallel exchange can run under another part's compute; same result"),
+    "batch_split_factor": Key(int, low=1, doc=
+        'use_batch_split_schedule: the parts (the per-device batch must divide into them)'),
     "te_kernels": Key(str, choices=TE_KERNELS, doc=
         'te_dropless: auto = TE kernels on an NVIDIA GPU | reference = the pure-JAX references (any platform)'),
     "te_gmm_quantization": Key(str, choices=TE_GMM_QUANTIZATIONS, doc=

@@ -94,7 +94,7 @@ GROUPS: tuple[Group, ...] = (
        "override_logical_axis_rules shardy remove_size_one_mesh_axis_from_type jax_distributed_initialization_timeout "
        "force_unroll te_ep_overflow_check_every_n_steps compile_xla_flags"),
     _g(NOOP, "computes the same thing another way, or sizes something this trainer computes as needed",
-       "use_iota_embed max_position_embeddings max_segments_per_seq use_batch_split_schedule batch_split_factor "
+       "use_iota_embed max_position_embeddings max_segments_per_seq "
        "checkpoint_storage_use_ocdbt "
        "checkpoint_storage_use_zarr3 checkpoint_storage_target_data_file_size_bytes checkpoint_storage_concurrent_gb "
        "checkpoint_storage_device_host_concurrent_gb max_corpus_chars param_scan_axis enable_dropout"),

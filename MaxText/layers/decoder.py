@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,6 +14,37 @@ from MaxText.layers.attention_mla import MLA
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe.block import MoeBlock
 from MaxText.layers.norms import RMSNorm
+
+
+def batch_parts(cfg) -> int:
+    """The parts each device's batch runs in side by side (use_batch_split_schedule; 1: not split)."""
+    return cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
+
+
+def split_batch(x, parts: int):
+    """[B, ...] as `parts` arrays [B / parts, ...], part k the rows k, k + parts, k + 2 parts, ...: a device's rows
+    stay on it (B splits as [B / parts, parts], the sharded batch dim the major one), so splitting moves nothing."""
+    b = x.shape[0]
+    return tuple(x.reshape(b // parts, parts, *x.shape[1:])[:, k] for k in range(parts))
+
+
+def merge_batch(xs: tuple):
+    """split_batch's inverse."""
+    return jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:])
+
+
+def part_scope(k: int, parts: int):
+    """The name scope of part k of a split batch (none when the batch is whole): XLA keeps it in each instruction's
+    metadata, where MaxText.planning.overlap reads which part's exchange waits for which part's compute."""
+    return jax.named_scope(f"batch_split{k}") if parts > 1 else contextlib.nullcontext()
+
+
+def apply_split(layer_fn, parts: int, x_BLD, positions_BL, segment_ids_BL):
+    """layer_fn(x, positions, segment_ids) -> (x, stats) on the batch split in `parts` (whole when 1), merged after."""
+    if parts == 1:
+        return layer_fn(x_BLD, positions_BL, segment_ids_BL)
+    x, stats = layer_fn(*(split_batch(a, parts) for a in (x_BLD, positions_BL, segment_ids_BL)))
+    return merge_batch(x), stats
 
 
 class DecoderLayer(nnx.Module):
@@ -31,15 +64,29 @@ class DecoderLayer(nnx.Module):
         self.is_moe = moe
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        """Returns the new residual stream and this layer's MoE stats ({} for a dense layer)."""
-        h = self.self_attention(self.pre_self_attention_norm(x_BLD), positions_BL, segment_ids_BL)
-        x_BLD = x_BLD + h
-        normed = self.post_self_attention_norm(x_BLD)
+        """Returns the new residual stream and this layer's MoE stats ({} for a dense layer). A split batch
+        (split_batch: tuples of parts) gives a tuple of parts, each part's layer under the name scope
+        batch_split<k>, and the MoE stats of all parts together."""
+        if isinstance(x_BLD, tuple):
+            return self.parts(x_BLD, positions_BL, segment_ids_BL)
+        (x_BLD,), stats = self.parts((x_BLD,), (positions_BL,), (segment_ids_BL,))
+        return x_BLD, stats
+
+    def parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
+        xs, normed = [], []
+        for k, (x_BLD, positions_BL, segment_ids_BL) in enumerate(zip(xs_BLD, positions, segment_ids, strict=True)):
+            with part_scope(k, len(xs_BLD)):
+                h = self.self_attention(self.pre_self_attention_norm(x_BLD), positions_BL, segment_ids_BL)
+                xs.append(x_BLD + h)
+                normed.append(self.post_self_attention_norm(xs[-1]))
         if self.is_moe:
-            h, stats = self.moe(normed, segment_ids_BL)
+            hs, stats = self.moe(tuple(normed), tuple(segment_ids))  # each part under its scope there
         else:
-            h, stats = self.mlp(normed), {}
-        return x_BLD + h, stats
+            hs, stats = [], {}
+            for k, n in enumerate(normed):
+                with part_scope(k, len(normed)):
+                    hs.append(self.mlp(n))
+        return tuple(x + h for x, h in zip(xs, hs, strict=True)), stats
 
     def moe_load(self, load_E) -> dict:
         """This MoE layer's load in the shape of its MoeBias state."""

@@ -9,7 +9,7 @@ import ml_collections
 from flax import nnx
 
 from MaxText.config.load import layer_counts
-from MaxText.layers.decoder import LayerStack, remat_policy
+from MaxText.layers.decoder import LayerStack, apply_split, batch_parts, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update
 from MaxText.layers.mtp import MultiTokenPrediction
@@ -35,6 +35,7 @@ class Transformer(nnx.Module):
         if cfg.mtp_num_layers:
             self.mtp = MultiTokenPrediction(cfg, moe=moe, **kw)
         self.num_dense, self.num_moe = num_dense, num_moe
+        self.parts = batch_parts(cfg)
         self.remat = cfg.remat_policy != "none"
         self.policy = remat_policy(cfg) if self.remat else None
 
@@ -52,13 +53,16 @@ class Transformer(nnx.Module):
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
         if segment_ids_BL is None:
             segment_ids_BL = jnp.ones_like(tokens_BL)
-        x = self.token_embedder(tokens_BL)
-        if self.num_dense:
-            x, _ = self.dense_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
-        stats = {}
-        if self.num_moe:
-            x, stats = self.moe_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
-        return x, stats
+        def stacks(x, positions_BL, segment_ids_BL):
+            if self.num_dense:
+                x, _ = self.dense_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
+            stats = {}
+            if self.num_moe:
+                x, stats = self.moe_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
+            return x, stats
+
+        # use_batch_split_schedule: split once, every layer runs the parts side by side, merged at the end
+        return apply_split(stacks, self.parts, self.token_embedder(tokens_BL), positions_BL, segment_ids_BL)
 
 
 def moe_load(model: Transformer, load_LE, mtp_load_KE=None) -> dict:

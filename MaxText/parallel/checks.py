@@ -51,6 +51,13 @@ def check_batch(cfg, shape: dict, global_batch: int) -> None:
             f"gradient_accumulation_steps={steps} must divide each data shard's {global_batch // shards} rows of the "
             f"global batch ({global_batch} over {shards} shards): every micro-batch splits over the same shards; "
             "change per_device_batch_size or gradient_accumulation_steps")
+    parts = cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
+    rows = global_batch // shards // steps
+    if rows % parts:
+        raise ConfigError(
+            f"batch_split_factor={parts} must divide the {rows} sequences each device runs a step"
+            f"{f' (micro-batch of {steps})' if steps > 1 else ''}: each part holds whole sequences of every device's "
+            "batch; change per_device_batch_size or batch_split_factor")
 
 
 def nccl_ep_used(cfg, mesh_shape) -> bool:

@@ -2,7 +2,8 @@
 
 Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tensor parallelism inside a host,
 expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), FSDP over
-the rest; per-device batch sizes; the recipe's remat policy and `full`. The state is traced once (its shardings
+the rest; per-device batch sizes; the recipe's remat policy and `full`; the batch whole or in two parts
+(use_batch_split_schedule). The state is traced once (its shardings
 come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
 MaxText.planning.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
 tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
@@ -72,12 +73,15 @@ def search(argv: list[str], top: int = 5) -> dict:
     spec = state_spec(base, abstract_mesh(mesh0))  # traced once: shardings follow the logical rules
     total = parameter_counts(base, spec.abstract["params"]).total
     remats = [[]] + ([["remat_policy=full"]] if base.remat_policy != "full" else [])
+    # the batch in two parts side by side (one part's EP exchange under the other's compute), or as the recipe has it
+    splits = [[], ["use_batch_split_schedule=false"] if base.use_batch_split_schedule
+              else ["use_batch_split_schedule=true", "batch_split_factor=2"]]
     found, tried = [], 0
     for ici, dcn in meshes(n, per_slice, profile.gpus_per_host, base.num_experts):
         layout = [f"{g}_{a}_parallelism={d[a]}" for g, d in (("ici", ici), ("dcn", dcn)) for a in AXES]
         for batch in BATCHES:
-            for remat in remats:
-                overrides = (*layout, f"per_device_batch_size={batch}", *remat)
+            for remat, split in ((r, p) for r in remats for p in splits):
+                overrides = (*layout, f"per_device_batch_size={batch}", *remat, *split)
                 tried += 1
                 try:
                     cfg = load_config([*argv, *overrides])

@@ -2,7 +2,7 @@
 
     from MaxText.planning.overlap import exchanges, summarize
     found = exchanges(hlo_text)      # one Exchange per all-to-all / NCCL EP call in a sliced MoE
-    print(summarize(found))          # {exchanges, sliced, waiting: [...], hideable}
+    print(summarize(found))          # {exchanges, slices, waiting: [...], hideable}
 
 A MoE layer that slices its tokens (num_moe_token_chunks) gives each slice its own dispatch, expert GEMMs and
 combine under the JAX name scope `moe_chunk<i>` (dropless.py), which XLA keeps in each instruction's metadata
@@ -17,7 +17,13 @@ module after SPMD partitioning (what MaxText.lowering dumps), before any backend
             calling a computation that holds one (a loop over the experts, a fusion)
 
 For each exchange in slice i: the slices j != i whose compute it waits for (`waits_for`: should be none), and the
-slices whose compute it neither waits for nor feeds (`under`: what it can hide under).
+slices whose compute it neither waits for nor feeds (`under`: what it can hide under), in the same pass: forward
+against forward, backward (JAX's transpose(...) in op_name, recomputation included) against backward. Every
+backward op depends on every part's forward through the loss, which is no reason to wait: that compute is done.
+
+The slices: a MoE layer's tokens in num_moe_token_chunks (JAX name scope `moe_chunk<i>`, dropless.py) or the batch
+in use_batch_split_schedule's parts (`batch_split<k>`, decoder.py). Inside a shard_map body, op_names start afresh
+(no outer scope): a part's MoE body is then the `call` of it in the layer, labelled by the part.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import NamedTuple
 
 from MaxText.planning.collectives import _CALLED, _CALLED_LIST, _call_graph, _parse
 
-SLICE = re.compile(r"\bmoe_chunk(\d+)\b")
+SLICE = re.compile(r"\b(moe_chunk|batch_split)(\d+)\b")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CONTROL = re.compile(r"control-predecessors=\{([^}]*)\}")
@@ -40,10 +46,25 @@ _GEMM_TARGET = re.compile(r"gemm|cublas|cudnn", re.IGNORECASE)
 class Exchange(NamedTuple):
     computation: str
     name: str                # the instruction
-    op: str                  # its opcode, or the custom call's target
-    slice: int               # the moe_chunk it belongs to
+    op: str                  # its opcode, or the custom call's target; call(...) for a call holding exchanges
+    slice: str               # the part and / or chunk it belongs to: batch_split1, moe_chunk0, batch_split1/moe_chunk0
     waits_for: tuple         # other slices whose compute it depends on (sorted)
     under: tuple             # other slices whose compute is independent of it (sorted)
+
+
+def _label(op_name: str) -> dict:
+    """{scheme: index} of the slice an op_name names (the innermost scope of each scheme)."""
+    return {scheme: int(i) for scheme, i in SLICE.findall(op_name)}
+
+
+def _apart(a: dict, b: dict) -> bool:
+    """Two slices are apart where a scheme both name differs: batch_split0 and batch_split1, moe_chunk0 and
+    moe_chunk1, but not batch_split0 and batch_split0/moe_chunk1 (a part's chunk belongs to that part)."""
+    return any(a[s] != b[s] for s in a.keys() & b.keys())
+
+
+def _text(label: dict) -> str:
+    return "/".join(f"{s}{label[s]}" for s in sorted(label))
 
 
 def _operands(rest: str) -> tuple[list[str], str]:
@@ -57,23 +78,34 @@ def _operands(rest: str) -> tuple[list[str], str]:
 
 
 def exchanges(hlo_text: str) -> list[Exchange]:
-    """Every exchange of a sliced MoE (one whose op_name names a moe_chunk) with what it waits for and what it can
-    run under, computation by computation."""
+    """Every exchange of a sliced MoE or a split batch (an instruction whose op_name names a moe_chunk or a
+    batch_split, or a call of such a slice into a computation holding exchanges: a shard_map body) with what it
+    waits for and what it can run under, computation by computation."""
     comps, _ = _parse(hlo_text)
     _, callees, _ = _call_graph(comps)
 
-    @functools.cache
-    def holds_compute(comp: str) -> bool:
+    def own(comp: str, kind: str) -> set:
+        """The exchange ops (kind "exchange") or whether there is a GEMM (kind "compute") directly in comp."""
+        found = set()
         for instr in comps.get(comp, ()):
-            if instr.op in _COMPUTE_OPS or (instr.op == "custom-call" and _is_gemm(instr.rest)):
-                return True
-        return any(holds_compute(c) for c in callees[comp])
+            target = _TARGET.search(instr.rest)
+            if kind == "exchange" and instr.op.removesuffix("-start") in _EXCHANGE_OPS:
+                found.add(instr.op.removesuffix("-start"))
+            elif kind == "exchange" and target and target.group(1).startswith("te_ep_"):
+                found.add(target.group(1))
+            elif kind == "compute" and _is_compute(instr.op, instr.rest):
+                found.add(instr.op)
+        return found
+
+    @functools.cache
+    def holds(comp: str, kind: str) -> frozenset:
+        return frozenset(own(comp, kind).union(*(holds(c, kind) for c in callees[comp])))
 
     found = []
     for comp, instrs in comps.items():
         index = {instr.name: i for i, instr in enumerate(instrs)}
         ancestors = [0] * len(instrs)  # bit j set: instruction j is upstream (HLO text lists operands first)
-        kinds, slices = [], []
+        exchange_ops, computes, labels, backward = [], [], [], []
         for i, instr in enumerate(instrs):
             operands, attrs = _operands(instr.rest)
             control = _CONTROL.search(attrs)
@@ -85,35 +117,36 @@ def exchanges(hlo_text: str) -> list[Exchange]:
                     ancestors[i] |= ancestors[j] | (1 << j)
             target = _TARGET.search(attrs)
             called = _called(attrs)
+            inner = sorted(set().union(*(holds(c, "exchange") for c in called)))
             if instr.op.removesuffix("-start") in _EXCHANGE_OPS or (target and target.group(1).startswith("te_ep_")):
-                kinds.append(("exchange", target.group(1) if target else instr.op))
-            elif (instr.op in _COMPUTE_OPS or (instr.op == "custom-call" and _is_gemm(attrs))
-                  or any(holds_compute(c) for c in called)):
-                kinds.append(("compute", instr.op))
+                exchange_ops.append(target.group(1) if target else instr.op.removesuffix("-start"))
             else:
-                kinds.append((None, instr.op))
+                exchange_ops.append(f"{instr.op}({', '.join(inner)})" if inner else None)
+            computes.append(_is_compute(instr.op, attrs) or any(holds(c, "compute") for c in called))
             name = _OP_NAME.search(attrs)
-            chunk = SLICE.findall(name.group(1)) if name else []
-            slices.append(int(chunk[-1]) if chunk else None)
-        compute = [i for i, (kind, _) in enumerate(kinds) if kind == "compute" and slices[i] is not None]
-        for i, (kind, op) in enumerate(kinds):
-            if kind != "exchange" or slices[i] is None:
+            labels.append(_label(name.group(1)) if name else {})
+            backward.append(bool(name) and "transpose(" in name.group(1))
+        compute = [i for i, c in enumerate(computes) if c and labels[i]]
+        for i, op in enumerate(exchange_ops):
+            if op is None or not labels[i]:
                 continue
             waits, under = set(), set()
             for j in compute:
-                if slices[j] == slices[i]:
+                if j == i or backward[j] != backward[i] or not _apart(labels[i], labels[j]):
                     continue
                 if ancestors[i] >> j & 1:
-                    waits.add(slices[j])
+                    waits.add(_text(labels[j]))
                 elif not ancestors[j] >> i & 1:
-                    under.add(slices[j])
-            found.append(Exchange(comp, instrs[i].name, op, slices[i], tuple(sorted(waits)), tuple(sorted(under))))
+                    under.add(_text(labels[j]))
+            found.append(Exchange(comp, instrs[i].name, op, _text(labels[i]), tuple(sorted(waits)),
+                                  tuple(sorted(under))))
     return found
 
 
-def _is_gemm(text: str) -> bool:
-    target = _TARGET.search(text)
-    return bool(target and _GEMM_TARGET.search(target.group(1)))
+def _is_compute(op: str, text: str) -> bool:
+    """A GEMM: dot, ragged-dot, convolution, or a custom call to a GEMM kernel (TE's, cuBLAS', cuDNN's)."""
+    target = _TARGET.search(text) if op == "custom-call" else None
+    return op in _COMPUTE_OPS or bool(target and _GEMM_TARGET.search(target.group(1)))
 
 
 def _called(attrs: str) -> list[str]:
@@ -124,10 +157,10 @@ def _called(attrs: str) -> list[str]:
 
 
 def summarize(found: list[Exchange]) -> dict:
-    """{exchanges: sliced exchanges, slices: how many, waiting: the ones that wait for another slice's compute
+    """{exchanges: sliced exchanges, slices: their names, waiting: the ones that wait for another slice's compute
     (computation/name: slices, at most 10), hideable: the ones with another slice's compute to run under}."""
     waiting = [e for e in found if e.waits_for]
-    return {"exchanges": len(found), "slices": len({e.slice for e in found}),
-            "waiting": [f"{e.computation}/{e.name} ({e.op}, slice {e.slice}): waits for slices "
-                        f"{', '.join(map(str, e.waits_for))}" for e in waiting[:10]],
+    return {"exchanges": len(found), "slices": sorted({e.slice for e in found}),
+            "waiting": [f"{e.computation}/{e.name} ({e.op}, {e.slice}): waits for {', '.join(e.waits_for)}"
+                        for e in waiting[:10]],
             "hideable": sum(bool(e.under) for e in found)}

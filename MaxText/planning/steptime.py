@@ -86,7 +86,8 @@ OVERLAP = {"fsdp": 0.9, "dp": 0.9, "tp": 0.0, "offload": 0.9}
 # EP on its own stream), partial (Megatron-Core's 1F1B A2A overlap), full (DeepSeek's DualPipe).
 EP_OVERLAP = {"none": 0.0, "partial": 0.5, "full": 1.0}
 # Full overlap runs the all-to-all in kernels that hold SMs: DeepSeek-V3 kept 20 of the H800's 132 SMs for
-# communication (report section 3.2.2), so compute runs on the rest.
+# communication (report section 3.2.2), so compute runs on the rest. This trainer's hidden exchange (chunks, a split
+# batch) is charged the same share for the time it runs under compute (NCCL's and NCCL EP's kernels hold SMs too).
 FULL_OVERLAP_SM_SHARE = 20 / 132
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW: read param, grad, two moments (fp32), write param and moments
 
@@ -114,6 +115,7 @@ class Layout(NamedTuple):
     ep_overlap: str = "none"        # EP_OVERLAP
     ep_slices: int = 1              # this trainer's MoE tokens in slices, each with its own exchanges
                                     # (num_moe_token_chunks): ep_hidden_fraction
+    batch_parts: int = 1            # the batch in parts running each layer side by side (use_batch_split_schedule)
     dualpipe: bool = False          # DeepSeek's bidirectional pipeline: half the 1F1B bubble
     recompute: float = 0.0          # fraction of a layer's forward FLOPs recomputed in the backward
     attention_kernel: str = "flash"  # flash | xla
@@ -147,6 +149,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
         dispatch_per="node" if nccl_ep else "gpu" if cfg.moe_impl == "ragged" and cfg.ep_dedup else "slot",
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
+        batch_parts=cfg.batch_split_factor if cfg.use_batch_split_schedule else 1,
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
@@ -365,17 +368,24 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
 
 def ep_hidden_fraction(lay: Layout, t: dict, ep_s: float) -> float:
     """The share of the EP exchange's time that runs under compute. A published run's mechanism states it
-    (ep_overlap: EP_OVERLAP). This trainer's follows from its schedule: with a layer's tokens in c slices
-    (num_moe_token_chunks), no slice's exchange depends on another slice's expert GEMMs, nor they on it (the
-    partitioned module says so: MaxText.planning.overlap, tests/test_overlap.py), so while one slice's GEMMs run
-    the next slice's dispatch or the previous one's combine can be in flight. All but the first dispatch and the
-    last combine, (c - 1) / c of the exchange, can hide, as far as the expert GEMMs last: min(E, G) (c - 1) / c.
-    A dispatch recomputed in the backward sits in a body of its own, beside no GEMM: exposed. One slice (NCCL
-    EP: a layer's tokens in one call) hides nothing."""
-    if lay.ep_overlap != "none" or lay.ep_slices <= 1 or ep_s <= 0:
+    (ep_overlap: EP_OVERLAP). This trainer's follows from its schedule, as the partitioned module shows it
+    (MaxText.planning.overlap; tests/test_overlap.py): with a layer's tokens in c slices (num_moe_token_chunks) no
+    slice's exchange depends on another slice's expert GEMMs, nor they on it; with the batch in p parts
+    (use_batch_split_schedule) no part's exchange depends on another part's compute in the layer (attention, dense
+    and expert GEMMs). Of s = p c slices, all but the first dispatch and the last combine, (s - 1) / s of the
+    exchange, can be in flight while another slice computes, as far as that compute lasts: min(E, C) (s - 1) / s,
+    C the expert GEMMs (chunks alone) or all the layer's GEMMs and attention (parts). With chunks alone, a dispatch
+    recomputed in the backward sits in a shard_map body of its own, beside no GEMM: exposed. One slice (NCCL EP
+    without a split batch: a layer's tokens in one call) hides nothing."""
+    slices = lay.ep_slices * lay.batch_parts
+    if lay.ep_overlap != "none" or slices <= 1 or ep_s <= 0:
         return EP_OVERLAP[lay.ep_overlap]
-    beside_gemms = ep_s * (lay.dispatch_bytes + 6) / (lay.dispatch_bytes * (1 + lay.recompute) + 6)  # comm_time's
-    return min(beside_gemms, t["grouped_gemm"]) * (lay.ep_slices - 1) / lay.ep_slices / ep_s
+    if lay.batch_parts > 1:
+        beside, compute = ep_s, t["dense_gemm"] + t["grouped_gemm"] + t["attention"]
+    else:  # comm_time's bytes a row: the recomputed dispatch's share apart
+        beside = ep_s * (lay.dispatch_bytes + 6) / (lay.dispatch_bytes * (1 + lay.recompute) + 6)
+        compute = t["grouped_gemm"]
+    return min(beside, compute) * (slices - 1) / slices / ep_s
 
 
 def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
@@ -387,6 +397,8 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
         comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp")} | module_comm
 
     overlap = OVERLAP | {"ep": ep_hidden_fraction(lay, t, comm.get("ep", 0.0))}
+    if lay.ep_overlap == "none" and overlap["ep"]:  # the exchange's kernels hold SMs while compute runs beside them
+        compute += comm["ep"] * overlap["ep"] * FULL_OVERLAP_SM_SHARE / (1 - FULL_OVERLAP_SM_SHARE)
     hidden = sum(v * overlap[kind] for kind, v in comm.items())
     exposed = sum(v * (1 - overlap[kind]) for kind, v in comm.items()) + max(0.0, hidden - compute)
     microbatches = max(1, lay.global_batch // (lay.micro_batch * lay.devices // (lay.tp * lay.pp)))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe import dense, dropless, te_block, te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
-from MaxText.layers.moe.router import float32_logits, route
+from MaxText.layers.moe.router import Choice, choose, float32_logits, routing_stats
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
 
@@ -44,37 +47,58 @@ class MoeBlock(nnx.Module):
     def __call__(self, x_BLD, segment_ids_BL=None):
         """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean,
         overflow (real token-slots that got no expert output) and dropped_fraction (overflow / real slots).
-        Tokens with segment id 0 are padding: routed, but no load (see router.route)."""
-        b, l, d = x_BLD.shape
-        # DeepSeek's shared experts: every token, no routing. Nothing here depends on the routed path nor it on
-        # this, so XLA's scheduler is free to run these GEMMs while the dispatch's all-to-all is in flight.
-        shared_BLD = self.shared_experts(x_BLD) if self.cfg.shared_experts else None
-        x_TD = x_BLD.reshape(b * l, d)
-        bias = self.bias[...] if self.cfg.routed_bias else None
-        valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
-        # Route, then dispatch -> experts -> combine (moe_ffn). te_dropless selects with its kernel set's top-k
-        # (TE's fused router, or the reference: the same choice as route's own, computed from the logits again).
-        # te_moe_block: TE's fused block routes inside; route here, on the block's own logits with the same
-        # top-k, gives what it does not return (load, losses, statistics; te_block.py).
-        topk = te_kernels.kernels(self.cfg).topk if self.cfg.moe_impl == "te_dropless" else None
-        logits = te_block.gate_logits if self.cfg.te_moe_block else float32_logits
-        routing = route(x_TD, self.gate[...], bias, self.cfg, topk=topk, valid_T=valid_T, logits=logits)
+        Tokens with segment id 0 are padding: routed, but no load (see router.route). A split batch
+        (use_batch_split_schedule: x_BLD and segment_ids_BL tuples of parts) gives a tuple of outputs and the
+        stats of all parts together, as one batch would."""
+        if isinstance(x_BLD, tuple):
+            return self.parts(x_BLD, segment_ids_BL)
+        (y_BLD,), stats = self.parts((x_BLD,), (segment_ids_BL,))
+        return y_BLD, stats
+
+    def parts(self, xs_BLD: tuple, segment_ids: tuple):
+        """The parts of a batch side by side: each routes, dispatches, runs its experts and combines on its own
+        (under the name scope batch_split<k>: MaxText.planning.overlap reads that no part's exchange waits for
+        another's compute); the losses and statistics pool every part's choices."""
+        cfg = self.cfg
+        bias = self.bias[...] if cfg.routed_bias else None
+        # te_dropless selects with its kernel set's top-k (TE's fused router, or the reference: the same choice as
+        # route's own, computed from the logits again). te_moe_block: TE's fused block routes inside; choosing
+        # here, on the block's own logits with the same top-k, gives what it does not return (load, losses,
+        # statistics; te_block.py).
+        topk = te_kernels.kernels(cfg).topk if cfg.moe_impl == "te_dropless" else None
+        logits = te_block.gate_logits if cfg.te_moe_block else float32_logits
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
-        if self.cfg.te_moe_block:
-            y_TD, impl_stats = te_block.moe_ffn(x_BLD, self.gate[...], bias, weights, self.cfg, self.rules)
-        else:
-            y_TD, impl_stats = MOE_FFNS[self.cfg.moe_impl](x_TD, routing, weights, self.cfg, self.rules)
-        y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
-                          self.rules)
-        if shared_BLD is not None:
-            y_BLD = y_BLD + shared_BLD
+        ys, choices, valids, overflow = [], [], [], jnp.zeros((), jnp.float32)
+        for k, (x_BLD, segment_ids_BL) in enumerate(zip(xs_BLD, segment_ids, strict=True)):
+            with jax.named_scope(f"batch_split{k}") if len(xs_BLD) > 1 else contextlib.nullcontext():
+                b, l, d = x_BLD.shape
+                # DeepSeek's shared experts: every token, no routing. Nothing here depends on the routed path nor
+                # it on this, so XLA's scheduler is free to run these GEMMs while the dispatch's all-to-all is in
+                # flight.
+                shared_BLD = self.shared_experts(x_BLD) if cfg.shared_experts else None
+                x_TD = x_BLD.reshape(b * l, d)
+                valid_T = None if segment_ids_BL is None else segment_ids_BL.reshape(-1) != 0
+                choice = choose(x_TD, self.gate[...], bias, cfg, topk=topk, logits=logits)
+                if cfg.te_moe_block:
+                    y_TD, impl_stats = te_block.moe_ffn(x_BLD, self.gate[...], bias, weights, cfg, self.rules)
+                else:
+                    y_TD, impl_stats = MOE_FFNS[cfg.moe_impl](x_TD, routing_stats(choice, cfg, valid_T), weights, cfg,
+                                                              self.rules)
+                y_BLD = constrain(y_TD.reshape(b, l, d), ("activation_batch", "activation_length", "activation_embed"),
+                                  self.rules)
+                ys.append(y_BLD if shared_BLD is None else y_BLD + shared_BLD)
+            choices.append(choice)
+            valids.append(valid_T)
+            overflow = overflow + jnp.asarray(impl_stats["overflow"], jnp.float32)
+        pooled = Choice(*(jnp.concatenate(fields) if len(choices) > 1 else fields[0] for fields in zip(*choices)))
+        valid_T = None if valids[0] is None else jnp.concatenate(valids) if len(valids) > 1 else valids[0]
+        routing = routing_stats(pooled, cfg, valid_T)
         stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
                  "entropy": routing.entropy,
                  "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
-        overflow = jnp.asarray(impl_stats["overflow"], jnp.float32)
-        slots = (b * l if valid_T is None else jnp.sum(valid_T)) * self.cfg.num_experts_per_tok
+        slots = (pooled.experts_TK.shape[0] if valid_T is None else jnp.sum(valid_T)) * cfg.num_experts_per_tok
         stats.update(overflow=overflow, dropped_fraction=overflow / jnp.maximum(slots, 1))
-        return y_BLD, stats
+        return tuple(ys), stats
 
     def moe_load(self, load_E) -> dict:
         """This layer's load in the shape of its MoeBias state (routed_bias=true)."""

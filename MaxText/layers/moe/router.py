@@ -91,7 +91,14 @@ def float32_logits(x_TD, gate_DE):
     return jnp.einsum("td,de->te", x_TD.astype(jnp.float32), gate_DE.astype(jnp.float32))
 
 
-@jax.named_scope("moe_route")
+class Choice(NamedTuple):
+    """route's per-token part: what the dispatch needs, and what the statistics are computed from."""
+    logits_TE: jax.Array
+    scores_TE: jax.Array
+    weights_TK: jax.Array
+    experts_TK: jax.Array
+
+
 def route(x_TD, gate_DE, bias_E, cfg, topk=None, valid_T=None, logits=float32_logits) -> Routing:
     """Routes the T tokens of x (whole sequences of cfg.max_target_length tokens, in order).
 
@@ -102,23 +109,36 @@ def route(x_TD, gate_DE, bias_E, cfg, topk=None, valid_T=None, logits=float32_lo
     still routed (its outputs carry no loss weight) but is no load: not in load_E, so not in the bias
     update, nor in the balance loss, the z-loss or the entropy.
     """
+    return routing_stats(choose(x_TD, gate_DE, bias_E, cfg, topk, logits), cfg, valid_T)
+
+
+@jax.named_scope("moe_route")
+def choose(x_TD, gate_DE, bias_E, cfg, topk=None, logits=float32_logits) -> Choice:
+    """Each token's experts and combine weights (route's arguments), token by token: the parts of a split batch
+    choose apart (none waits for another) and pool their choices for the statistics (routing_stats)."""
     logits_TE = logits(x_TD, gate_DE)
     scores_TE = expert_scores(logits_TE, cfg.routed_score_func)
     if topk is None:
         weights_TK, experts_TK = select_experts(scores_TE, bias_E, cfg)
     else:
         weights_TK, experts_TK = topk(logits_TE, bias_E, cfg)
+    return Choice(logits_TE, scores_TE, weights_TK, experts_TK)
+
+
+@jax.named_scope("moe_route")
+def routing_stats(c: Choice, cfg, valid_T=None) -> Routing:
+    """The Routing of the tokens of c (whole sequences, in any order of sequences): losses and statistics."""
     # The balance loss and the entropy read a distribution over experts: sigmoid scores are normalised.
-    probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
-    t = x_TD.shape[0]
+    probs_TE = c.scores_TE / jnp.sum(c.scores_TE, axis=-1, keepdims=True)
+    t, e = c.logits_TE.shape
     per_sequence = cfg.load_balance_loss_type == "sequence" and t % cfg.max_target_length == 0
-    lb_loss = load_balance_loss(experts_TK, probs_TE, t // cfg.max_target_length if per_sequence else 1, valid_T)
+    lb_loss = load_balance_loss(c.experts_TK, probs_TE, t // cfg.max_target_length if per_sequence else 1, valid_T)
     v_T = None if valid_T is None else valid_T.astype(jnp.float32)
-    z_loss = _mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)), v_T)
+    z_loss = _mean(jnp.square(jax.nn.logsumexp(c.logits_TE, axis=-1)), v_T)
     entropy = -_mean(jnp.sum(probs_TE * jnp.log(jnp.maximum(probs_TE, 1e-30)), axis=-1), v_T)
-    slots_TKE = jax.nn.one_hot(experts_TK, gate_DE.shape[-1], dtype=jnp.float32)
+    slots_TKE = jax.nn.one_hot(c.experts_TK, e, dtype=jnp.float32)
     load_E = jnp.sum(slots_TKE if v_T is None else slots_TKE * v_T[:, None, None], axis=(0, 1))
-    return Routing(weights_TK, experts_TK, lb_loss, z_loss, load_E, entropy, valid_T)
+    return Routing(c.weights_TK, c.experts_TK, lb_loss, z_loss, load_E, entropy, valid_T)
 
 
 def bias_update(bias_E, load_E, rate: float):

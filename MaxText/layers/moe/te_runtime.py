@@ -156,7 +156,9 @@ def bootstrapped_capacity(te, cfg, tokens_per_rank: int, ep_size: int, hidden: i
 def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
     """Keyword arguments of TE's ep_bootstrap for this config and mesh (world_size: the mesh's devices)."""
     te = import_te()
-    tokens = tokens_per_ep_rank(mesh_shape, global_batch * cfg.max_target_length)
+    # a split batch (use_batch_split_schedule) dispatches each part on its own: NCCL EP is sized for one part
+    parts = cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
+    tokens = tokens_per_ep_rank(mesh_shape, global_batch * cfg.max_target_length) // parts
     return dict(world_size=math.prod(mesh_shape.values()), num_experts=cfg.num_experts,
                 max_tokens_per_rank=tokens,
                 recv_capacity_per_rank=ep_recv_capacity(te, cfg, tokens, mesh_shape["expert"]),
