@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU validation kit in one command (see MaxText/benchmarks/gpu_check.py):
 #
-#   bash scripts/gpu_check.sh [--ep N] [--json gpu_check.json] [--parts kernels,ep,impls_agree,grouped_gemm,moe_layer,attention]
+#   bash scripts/gpu_check.sh [--ep N] [--json gpu_check.json]
+#        [--parts kernels,ep,impls_agree,batch_split,grouped_gemm,moe_layer,attention]
 #
 # On one NVIDIA GPU, in this order, each part in isolation (a part that raises is recorded and the next runs):
 #   kernels       the `gpu` tests of tests/test_te_dropless.py: TE's fused router, TE's grouped GEMM forward and
@@ -14,11 +15,13 @@
 #                 TE's fused MoE block (te_moe_block=true, ep_check --block) against the float32 loop beside the
 #                 composed path (<json>.ep_block.json)
 #   impls_agree   a tiny DeepSeek-style model trained a few steps with te_dropless and with ragged: same losses
+#   batch_split   a 4-layer MoE model trained the same steps with the batch whole and in 2 parts
+#                 (use_batch_split_schedule): same losses, and the step time each (what the split costs on one GPU)
 #   grouped_gemm  TFLOP/s of TE's grouped GEMM and ragged_dot at DeepSeek-V3 expert shapes (timing only)
 #   moe_layer     MoE layer forward+backward TFLOP/s per moe_impl (timing only)
 #   attention     forward+backward time per `attention` impl at DeepSeek-V3's MLA layer shape (timing only)
 # It prints one table, writes the JSON (gpu_check.json) and exits 1 if a correctness part (kernels, ep,
-# impls_agree) failed or any part raised.
+# impls_agree, batch_split) failed or any part raised.
 #
 # Inside the container (docker/) everything is installed. Elsewhere it uses the Python that has a CUDA jax
 # (PYTHON=..., else python3) and installs nothing: when one of this project's pure-Python pins

@@ -155,3 +155,21 @@ def test_gpu_check_records_a_raising_part_and_runs_the_rest(monkeypatch, tmp_pat
     assert "1. kernels (correctness): error: RuntimeError: kernel crashed" in out, out
     assert "3. impls_agree (correctness): passed" in out and "cannot summarise" in out, out
     np.testing.assert_equal(sorted(report["parts"]), ["ep", "impls_agree", "kernels", "moe_layer"])
+
+
+def test_the_batch_split_part_runs_on_cpu_and_fails_on_different_losses(monkeypatch, tmp_path):
+    """gpu_check's batch_split part in --smoke mode on CPU (reference kernels): the batch whole and in 2 parts give
+    the same loss (passed, both rows timed); a split that changed the result would fail the part."""
+    kit = gpu_check.Kit(te_missing="no TE on CPU", smoke=True, tmp=str(tmp_path), ep=None, json=str(tmp_path / "g"))
+    result = gpu_check.check_batch_split(kit)
+    assert result["status"] == "passed" and set(result["rows"]) == {"whole", "2 parts"}, result
+    assert result["loss_relative_difference"] <= result["tolerance"] and result["split_over_whole"] > 0
+    assert "2 parts take" in gpu_check.part_lines("batch_split", result)[-1]
+    measure = gpu_check.train_step.measure
+
+    def shifted(cfg, *a, **k):  # a split that changes the loss
+        row = measure(cfg, *a, **k)
+        return {**row, "loss": row["loss"] * (1.01 if cfg.use_batch_split_schedule else 1.0)}
+
+    monkeypatch.setattr(gpu_check.train_step, "measure", shifted)
+    assert gpu_check.check_batch_split(kit)["status"] == "failed"

@@ -19,11 +19,15 @@ and the next part runs):
    (te_moe_block=true, ep_check --block) against the float32 loop beside the composed path (<json>.ep_block.json).
 3. impls_agree (correctness): a tiny DeepSeek-style model (MLA, sigmoid group-limited routing with bias,
    shared expert, MTP) trained a few bf16 steps with te_dropless and with ragged; the losses must agree.
-4. grouped_gemm (timing): TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed
+4. batch_split (correctness and timing): one GPU, a 4-layer MoE model (D 2048, 32 experts of F 1024, 4 x 4096
+   tokens, te_dropless) trained the same steps with the batch whole and in 2 parts (use_batch_split_schedule):
+   the losses must agree; the step times give what splitting costs where there is no exchange to hide (the
+   overlap itself needs EP over several GPUs, one process each: not in the kit yet).
+5. grouped_gemm (timing): TFLOP/s at DeepSeek-V3 expert shapes (D 7168, F 2048, 32 local experts, Zipf-skewed
    routing of 8 experts per token) for jax.lax.ragged_dot and TE's grouped GEMM (groups rounded up to 128
    rows, as te_dropless feeds it), next to a bf16 8192^3 dense matmul measured in the same run.
-5. moe_layer (timing): MoE layer forward+backward TFLOP/s per moe_impl (MaxText.benchmarks.moe_layer).
-6. attention (timing): the attention core at DeepSeek-V3's MLA layer shape (1 x 4096 tokens, 128 heads, q/k
+6. moe_layer (timing): MoE layer forward+backward TFLOP/s per moe_impl (MaxText.benchmarks.moe_layer).
+7. attention (timing): the attention core at DeepSeek-V3's MLA layer shape (1 x 4096 tokens, 128 heads, q/k
    head dim 192, v 128, bf16, one document), forward and forward+backward per `attention` impl (dot_product,
    chunked, cudnn_flash), TFLOP/s of the causal half's useful FLOPs, whether cuDNN's kernel is in the
    compiled step, and cudnn_flash's largest output difference from dot_product.
@@ -49,12 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText.benchmarks import grouped_matmul as gmm_bench, moe_layer
+from MaxText.benchmarks import grouped_matmul as gmm_bench, moe_layer, train_step
 from MaxText.config.load import load_config
 from MaxText.layers.moe import te_kernels, te_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CORRECTNESS = ("kernels", "ep", "impls_agree")
+CORRECTNESS = ("kernels", "ep", "impls_agree", "batch_split")
 KERNEL_TESTS_TIMEOUT_S = 480
 EP_TIMEOUT_S = 480  # start-up of N processes, NCCL EP bootstrap, three compiles; a hung collective ends here
 
@@ -294,9 +298,35 @@ def check_attention(kit: Kit) -> dict:
     return out
 
 
+def check_batch_split(kit: Kit) -> dict:
+    """use_batch_split_schedule on one GPU: the same train step with the batch whole and in 2 parts, side by side
+    (MaxText.benchmarks.train_step.measure: same init, same batch, same steps). One GPU has no EP exchange to hide,
+    so this measures what the split costs (smaller GEMMs, more kernel launches), which the step-time model does not
+    charge; the losses after the same steps must agree (bf16: 3e-2)."""
+    size = (["base_emb_dim=64", "base_moe_mlp_dim=64", "max_target_length=64", "per_device_batch_size=4",
+             "dtype=float32"] if kit.smoke else
+            ["base_emb_dim=2048", "base_num_query_heads=16", "base_num_kv_heads=8", "head_dim=128",
+             "base_mlp_dim=8192", "base_moe_mlp_dim=1024", "num_experts=32", "num_experts_per_tok=8",
+             "vocab_size=32768", "max_target_length=4096", "per_device_batch_size=4", "dtype=bfloat16",
+             "attention=cudnn_flash"])
+    impl = ["moe_impl=te_dropless"] + (["te_kernels=reference"] if kit.te_missing else [])
+    base = ["configs/base.yml", "base_num_decoder_layers=4", "first_num_dense_layers=1", *size, *impl]
+    steps, warmup = (2, 1) if kit.smoke else (10, 2)
+    rows = {}
+    for name, split in (("whole", []), ("2 parts", ["use_batch_split_schedule=true", "batch_split_factor=2"])):
+        rows[name] = train_step.measure(load_config([*base, *split]), steps, warmup, devices=jax.devices()[:1])
+    whole, parts = rows["whole"], rows["2 parts"]
+    tol = 1e-4 if kit.smoke else 3e-2
+    difference = abs(parts["loss"] - whole["loss"]) / abs(whole["loss"])
+    return {"status": "passed" if difference <= tol else "failed", "config": base, "rows": rows,
+            "kernels": "reference" if kit.te_missing else "TE", "loss_relative_difference": difference,
+            "tolerance": tol, "split_over_whole": parts["step_s"] / whole["step_s"]}
+
+
 # Run in this order: the subprocess parts first, while this process holds little GPU memory.
 PARTS = {"kernels": check_kernels, "ep": check_ep, "impls_agree": check_impls_agree,
-         "grouped_gemm": check_grouped_gemm, "moe_layer": check_moe_layer, "attention": check_attention}
+         "batch_split": check_batch_split, "grouped_gemm": check_grouped_gemm, "moe_layer": check_moe_layer,
+         "attention": check_attention}
 
 
 def run_part(part, kit: Kit) -> dict:
@@ -332,6 +362,12 @@ def part_lines(name: str, r: dict) -> list[str]:
     if name == "impls_agree":
         return [f"te_dropless ({r['kernels']}) vs ragged on deepseek3-tiny: max relative loss difference "
                 f"{r['max_relative_difference']:.2e} (tolerance {r['tolerance']:.0e})"]
+    if name == "batch_split":
+        lines = [f"{label:<8} step {row['step_s'] * 1e3:9.2f} ms {row['tflops_per_device']:8.3g} TFLOP/s   loss "
+                 f"{row['loss']:.5f}" for label, row in r["rows"].items()]
+        return lines + [f"2 parts take {r['split_over_whole']:.3f}x the whole batch's step ({r['kernels']} kernels, "
+                        f"one device: no exchange to hide); losses {r['loss_relative_difference']:.1e} apart "
+                        f"(tolerance {r['tolerance']:.0e})"]
     if name == "grouped_gemm":
         lines = [f"{r['shape']}: dense bf16 matmul {r['dense_bf16_tflops']:.3g} TFLOP/s"]
         for method, m in r["methods"].items():

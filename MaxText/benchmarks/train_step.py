@@ -33,9 +33,10 @@ from MaxText.step.state import create_state, state_spec
 from MaxText.step.train_step import jit_train_step
 
 
-def measure(cfg, steps: int, warmup: int) -> dict:
-    """One impl's row: compile seconds, temp bytes, seconds per step and what follows from them."""
-    mesh = sharding.create_mesh(cfg)
+def measure(cfg, steps: int, warmup: int, devices=None) -> dict:
+    """One impl's row: compile seconds, temp bytes, seconds per step and what follows from them (on `devices`,
+    default all)."""
+    mesh = sharding.create_mesh(cfg, devices)
     devices = mesh.devices.size
     global_batch = global_batch_size(cfg, devices)
     spec = state_spec(cfg, mesh)
