@@ -423,9 +423,9 @@ QUANTIZABLE_TINY = ["q_lora_rank=64", "kv_lora_rank=64", "qk_nope_head_dim=32", 
 DENSE_TRAIN_CASES = [("te_fp8_currentscaling", 90, 2e-2), ("te_mxfp8", 100, 2e-2)]
 
 
-def _quantized_vs_bf16(monkeypatch, tmp_path, quantization, mesh_overrides, devices, steps):
-    """Losses of deepseek3-tiny (QUANTIZABLE_TINY, moe_impl=ragged) trained `steps` steps with `quantization` and
-    with bf16 dense GEMMs, on the mesh the overrides make; the start-up refusal without a GPU lifted."""
+def _tiny_losses(monkeypatch, tmp_path, quantization, mesh_overrides, devices, steps):
+    """Losses of deepseek3-tiny (QUANTIZABLE_TINY, moe_impl=ragged) trained `steps` steps with `quantization` on the
+    mesh the overrides make; the start-up refusal without a GPU lifted."""
     from MaxText.config.load import load_config
     from MaxText.trainer import loop
     from tests.tiny import args, losses, train_records
@@ -435,9 +435,15 @@ def _quantized_vs_bf16(monkeypatch, tmp_path, quantization, mesh_overrides, devi
               "log_period=1", "enable_checkpointing=false", "enable_tensorboard=false", "dataset_type=synthetic",
               "eval_interval=-1", "max_target_length=32", "per_device_batch_size=2", "dtype=bfloat16",
               *QUANTIZABLE_TINY, *mesh_overrides, f"base_output_directory={tmp_path}"]
-    runs = {name: train_records(load_config(args(common, [f"quantization={name}", f"run_name={name}"])),
-                                devices=jax.devices()[:devices]) for name in ("none", quantization)}
-    got, want = losses(runs[quantization]), losses(runs["none"])
+    cfg = load_config(args(common, [f"quantization={quantization}", f"run_name={quantization}"]))
+    return losses(train_records(cfg, devices=jax.devices()[:devices]))
+
+
+def _quantized_vs_bf16(monkeypatch, tmp_path, quantization, mesh_overrides, devices, steps, want=None):
+    """_tiny_losses with `quantization` and with bf16 dense GEMMs (want: those, when already known)."""
+    got = _tiny_losses(monkeypatch, tmp_path, quantization, mesh_overrides, devices, steps)
+    if want is None:
+        want = _tiny_losses(monkeypatch, tmp_path, "none", mesh_overrides, devices, steps)
     assert len(got) == steps and np.isfinite(got).all(), got
     assert not np.array_equal(got, want), f"{quantization}: the bf16 losses exactly; the GEMMs bypassed TE"
     return got, want
@@ -454,14 +460,21 @@ def test_quantized_dense_gemms_train_through_te_on_cpu(at_sm, monkeypatch, tmp_p
     np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"losses, {quantization} vs bf16 dense GEMMs")
 
 
+_BF16_ON_8 = {}  # the bf16 losses on 8 devices, once: the same batch and the same arithmetic on every such mesh
+
+
 @pytest.mark.parametrize("mesh_name", [m for m in trace_tests.MESHES if trace_tests.MESHES[m][1] > 1])
 def test_fp8_dense_gemms_partition_on_every_mesh(at_sm, monkeypatch, tmp_path, mesh_name):
     """TE's dense GEMMs under its own partitioning rules on the multi-device test meshes (weights FSDP-sharded
     and gathered by linear.gathered, expert and data axes splitting the batch), at SM 90: two steps of
-    tensor-scaled FP8 track bf16 GEMMs' losses as on fsdp2. (Before the weights were gathered, TE's partitioner
-    failed on data2_expert4 with a duplicate `expert` in its output sharding.) MXFP8 differs from FP8 only in its
-    quantizer set, checked on fsdp2 above."""
+    tensor-scaled FP8 track bf16 GEMMs' losses as on fsdp2 (those of one 8-device mesh: the same global batch on
+    each). (Before the weights were gathered, TE's partitioner failed on data2_expert4 with a duplicate `expert` in
+    its output sharding.) MXFP8 differs from FP8 only in its quantizer set, checked on fsdp2 above."""
     at_sm(90)
     overrides, devices = trace_tests.MESHES[mesh_name]
-    got, want = _quantized_vs_bf16(monkeypatch, tmp_path, "te_fp8_currentscaling", overrides, devices, 2)
+    assert devices == 8
+    if "want" not in _BF16_ON_8:
+        _BF16_ON_8["want"] = _tiny_losses(monkeypatch, tmp_path, "none", overrides, devices, 2)
+    got, want = _quantized_vs_bf16(monkeypatch, tmp_path, "te_fp8_currentscaling", overrides, devices, 2,
+                                   want=_BF16_ON_8["want"])
     np.testing.assert_allclose(got, want, rtol=DENSE_TRAIN_CASES[0][2], err_msg=f"{mesh_name}: losses, FP8 vs bf16")
