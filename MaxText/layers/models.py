@@ -53,6 +53,7 @@ class Transformer(nnx.Module):
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
         if segment_ids_BL is None:
             segment_ids_BL = jnp.ones_like(tokens_BL)
+
         def stacks(x, positions_BL, segment_ids_BL):
             if self.num_dense:
                 x, _ = self.dense_layers(x, positions_BL, segment_ids_BL, self.policy, self.remat)
