@@ -14,7 +14,7 @@ import pytest
 
 from MaxText.config.load import load_config
 from MaxText.planning import overlap, steptime
-from MaxText.planning.plan import plan
+from MaxText.planning.plan import format_table, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = os.path.join(ROOT, "configs", "gpu", "deepseek3-671b-h100-256.yml")
@@ -215,3 +215,6 @@ def test_the_model_credits_a_split_batch_on_nccl_ep_and_charges_its_sms():
     slowed = sum(split["compute_s"].values()) + ep * 0.5 * share / (1 - share)
     assert split["exposed_comm_s"] < whole["exposed_comm_s"] and split["step_s"] < whole["step_s"]
     assert split["step_s"] == pytest.approx(slowed + split["exposed_comm_s"], rel=1e-9)
+    assert whole["ep_overlap"].startswith("none") and split["ep_overlap"].startswith("2 batch parts")
+    p = plan(load_config([NVIDIA_GB200, *SPLIT]))
+    assert "    hidden: 2 batch parts: a part's exchange under" in format_table(p), format_table(p)

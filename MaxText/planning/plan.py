@@ -451,6 +451,8 @@ def format_table(p: dict) -> str:
     for name, value in st["comm_s"].items():
         share = st["overlap"].get(name)
         lines.append(f"  {name + ' comm':<20} {value:>10.2f}" + (f"   ({share:.0%} under compute)" if share else ""))
+        if name == "ep" and st.get("ep_overlap"):
+            lines.append(f"    hidden: {st['ep_overlap']}")
     lines.append(f"  {'exposed comm':<20} {st['exposed_comm_s']:>10.2f}")
     lines.append(f"step {st['step_s']:.2f} s: {st['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
                  f"{st['tflops_per_gpu']:.0f} TFLOP/s/GPU, MFU {st['mfu']:.0%} of bf16 peak; bound by {st['bound']}")

@@ -388,6 +388,20 @@ def ep_hidden_fraction(lay: Layout, t: dict, ep_s: float) -> float:
     return min(beside, compute) * (slices - 1) / slices / ep_s
 
 
+def ep_overlap_reason(lay: Layout) -> str:
+    """Which part of the EP exchange runs under compute, in words (MaxText.plan prints it under the ep term)."""
+    if lay.ep_overlap != "none":
+        return f"stated for the mechanism ({lay.ep_overlap}: {EP_OVERLAP[lay.ep_overlap]:.0%})"
+    if lay.batch_parts > 1:
+        chunks = f" x {lay.ep_slices} chunks" if lay.ep_slices > 1 else ""
+        return (f"{lay.batch_parts} batch parts{chunks}: a part's exchange under the other parts' compute as far as it "
+                "lasts, all but one slice's share of each layer's")
+    if lay.ep_slices > 1:
+        return (f"{lay.ep_slices} chunks: a chunk's exchange under the other chunks' expert GEMMs as far as they last, "
+                "all but one chunk's share; a dispatch recomputed in the backward exposed")
+    return "none: each layer's exchange is one, which its expert GEMMs wait for (use_batch_split_schedule splits it)"
+
+
 def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = None) -> dict:
     """Seconds per step by term, the step, tokens/s/GPU, and the bounding resource."""
     tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
@@ -406,7 +420,7 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     step = (compute + exposed) * (1 + bubble)
     terms = {"compute": compute} | comm
     return {"compute_s": t, "comm_s": comm, "overlap": {k: overlap[k] for k in comm}, "exposed_comm_s": exposed,
-            "bubble": bubble, "step_s": step,
+            "ep_overlap": ep_overlap_reason(lay) if "ep" in comm else None, "bubble": bubble, "step_s": step,
             "tokens_per_s_per_gpu": lay.global_batch * lay.seq / lay.devices / step,
             "bound": max(terms, key=terms.get)}
 
