@@ -90,8 +90,9 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
                           "buffer does not take (moe_impl=te_dropless with expert parallelism); set it >= 1 or null")
     if cfg.num_moe_token_chunks > 1:
         raise ConfigError(f"num_moe_token_chunks={cfg.num_moe_token_chunks}: NCCL EP dispatches a layer's tokens in "
-                          "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1, "
-                          "or te_kernels=reference / moe_impl=ragged")
+                          "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1 "
+                          "(use_batch_split_schedule=true overlaps NCCL EP's exchange instead), or te_kernels=reference "
+                          "/ moe_impl=ragged")
     if cfg.te_moe_block:
         devices = math.prod(mesh_shape.values())
         if devices < 2:
