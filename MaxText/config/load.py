@@ -326,6 +326,11 @@ def global_batch_size(cfg, num_devices: int) -> int:
     return int(round(batch))
 
 
+def batch_parts(cfg) -> int:
+    """The parts each device's batch runs in side by side (use_batch_split_schedule; 1: not split)."""
+    return cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
+
+
 def cli_arguments(argv, doc: str) -> tuple[list[str], bool] | None:
     """The command line of a config-reading tool (MaxText.plan, MaxText.preflight): its arguments without
     `--json`, and whether `--json` was given; None after printing `doc` for -h/--help."""

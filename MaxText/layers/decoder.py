@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,12 +11,8 @@ from MaxText.layers.attention import Attention
 from MaxText.layers.attention_mla import MLA
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe.block import MoeBlock
+from MaxText.layers.moe.layout import slice_scope
 from MaxText.layers.norms import RMSNorm
-
-
-def batch_parts(cfg) -> int:
-    """The parts each device's batch runs in side by side (use_batch_split_schedule; 1: not split)."""
-    return cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
 
 
 def split_batch(x, parts: int):
@@ -31,12 +25,6 @@ def split_batch(x, parts: int):
 def merge_batch(xs: tuple):
     """split_batch's inverse."""
     return jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:])
-
-
-def part_scope(k: int, parts: int):
-    """The name scope of part k of a split batch (none when the batch is whole): XLA keeps it in each instruction's
-    metadata, where MaxText.planning.overlap reads which part's exchange waits for which part's compute."""
-    return jax.named_scope(f"batch_split{k}") if parts > 1 else contextlib.nullcontext()
 
 
 def apply_split(layer_fn, parts: int, x_BLD, positions_BL, segment_ids_BL):
@@ -75,7 +63,7 @@ class DecoderLayer(nnx.Module):
     def parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
         xs, normed = [], []
         for k, (x_BLD, positions_BL, segment_ids_BL) in enumerate(zip(xs_BLD, positions, segment_ids, strict=True)):
-            with part_scope(k, len(xs_BLD)):
+            with slice_scope("batch_split", k, len(xs_BLD)):
                 h = self.self_attention(self.pre_self_attention_norm(x_BLD), positions_BL, segment_ids_BL)
                 xs.append(x_BLD + h)
                 normed.append(self.post_self_attention_norm(xs[-1]))
@@ -84,7 +72,7 @@ class DecoderLayer(nnx.Module):
         else:
             hs, stats = [], {}
             for k, n in enumerate(normed):
-                with part_scope(k, len(normed)):
+                with slice_scope("batch_split", k, len(normed)):
                     hs.append(self.mlp(n))
         return tuple(x + h for x, h in zip(xs, hs, strict=True)), stats
 

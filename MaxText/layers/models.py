@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from MaxText.config.load import layer_counts
-from MaxText.layers.decoder import LayerStack, apply_split, batch_parts, remat_policy
+from MaxText.config.load import batch_parts, layer_counts
+from MaxText.layers.decoder import LayerStack, apply_split, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update
 from MaxText.layers.mtp import MultiTokenPrediction
@@ -35,7 +35,7 @@ class Transformer(nnx.Module):
         if cfg.mtp_num_layers:
             self.mtp = MultiTokenPrediction(cfg, moe=moe, **kw)
         self.num_dense, self.num_moe = num_dense, num_moe
-        self.parts = batch_parts(cfg)
+        self.batch_parts = batch_parts(cfg)
         self.remat = cfg.remat_policy != "none"
         self.policy = remat_policy(cfg) if self.remat else None
 
@@ -63,7 +63,7 @@ class Transformer(nnx.Module):
             return x, stats
 
         # use_batch_split_schedule: split once, every layer runs the parts side by side, merged at the end
-        return apply_split(stacks, self.parts, self.token_embedder(tokens_BL), positions_BL, segment_ids_BL)
+        return apply_split(stacks, self.batch_parts, self.token_embedder(tokens_BL), positions_BL, segment_ids_BL)
 
 
 def moe_load(model: Transformer, load_LE, mtp_load_KE=None) -> dict:

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from MaxText.layers.decoder import DecoderLayer, apply_split, batch_parts, call_remat, remat_policy
+from MaxText.config.load import batch_parts
+from MaxText.layers.decoder import DecoderLayer, apply_split, call_remat, remat_policy
 from MaxText.layers.losses import cross_entropy
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
@@ -36,15 +37,16 @@ class MTPDepth(nnx.Module):
         self.dtype = dtype
         self.remat = cfg.remat_policy != "none"
         self.policy = remat_policy(cfg) if self.remat else None
-        self.parts = batch_parts(cfg)  # the depth's layer takes the batch in parts too (NCCL EP's one size)
+        self.batch_parts = batch_parts(cfg)  # the depth's layer takes the batch in parts too (NCCL EP's one size)
 
     def __call__(self, h_BLD, next_embedding_BLD, positions_BL, segment_ids_BL):
         joined = jnp.concatenate([self.hidden_norm(h_BLD), self.embedding_norm(next_embedding_BLD)], axis=-1)
         h_BLD = joined @ self.projection[...].astype(self.dtype)
+
         def layer(x, positions, segment_ids):
             return call_remat(self.layer, x, positions, segment_ids, self.policy, self.remat)
 
-        return apply_split(layer, self.parts, h_BLD, positions_BL, segment_ids_BL)
+        return apply_split(layer, self.batch_parts, h_BLD, positions_BL, segment_ids_BL)
 
     def moe_load(self, load_E) -> dict:
         return {"layer": self.layer.moe_load(load_E)}

@@ -9,7 +9,7 @@ import math
 
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.errors import ConfigError
-from MaxText.config.load import global_batch_size
+from MaxText.config.load import batch_parts, global_batch_size
 
 # Mesh axes the batch is split over: attention and dense layers use the expert axis for data too.
 DATA_AXES = ("data", "fsdp", "expert")
@@ -51,7 +51,7 @@ def check_batch(cfg, shape: dict, global_batch: int) -> None:
             f"gradient_accumulation_steps={steps} must divide each data shard's {global_batch // shards} rows of the "
             f"global batch ({global_batch} over {shards} shards): every micro-batch splits over the same shards; "
             "change per_device_batch_size or gradient_accumulation_steps")
-    parts = cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
+    parts = batch_parts(cfg)
     rows = global_batch // shards // steps
     if rows % parts:
         raise ConfigError(

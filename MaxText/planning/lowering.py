@@ -19,8 +19,8 @@ the gpu_profile's compute capability (when the MoE runs TE kernels), nothing all
      XLA dumps the module right after SPMD partitioning (per-device shapes, before any CPU-specific pass
      such as CPU's widening of bf16 collectives to float32), and MaxText.planning.collectives counts its collectives
      per device per step: kind, dtype, bytes, loop trips multiplied through; MaxText.planning.overlap reads
-     from the same module which exchange of a sliced MoE (num_moe_token_chunks) waits for another slice's
-     GEMMs and which can run under them.
+     from the same module which exchange of a sliced MoE (num_moe_token_chunks) or of a part of a split batch
+     (use_batch_split_schedule) waits for another slice's compute and which can run under it.
 
 lowered(cfg, backend_optimization=False) leaves out XLA:CPU's backend optimisations, which run after that
 dump: the same result, sooner, where only the counts are read (tests/test_collectives.py lowers two configs

@@ -85,17 +85,9 @@ def exchanges(hlo_text: str) -> list[Exchange]:
     _, callees, _ = _call_graph(comps)
 
     def own(comp: str, kind: str) -> set:
-        """The exchange ops (kind "exchange") or whether there is a GEMM (kind "compute") directly in comp."""
-        found = set()
-        for instr in comps.get(comp, ()):
-            target = _TARGET.search(instr.rest)
-            if kind == "exchange" and instr.op.removesuffix("-start") in _EXCHANGE_OPS:
-                found.add(instr.op.removesuffix("-start"))
-            elif kind == "exchange" and target and target.group(1).startswith("te_ep_"):
-                found.add(target.group(1))
-            elif kind == "compute" and _is_compute(instr.op, instr.rest):
-                found.add(instr.op)
-        return found
+        """The exchange ops (kind "exchange") or the GEMM ops (kind "compute") directly in comp."""
+        classify = _exchange_op if kind == "exchange" else lambda op, text: op if _is_compute(op, text) else None
+        return {found for instr in comps.get(comp, ()) if (found := classify(instr.op, instr.rest))}
 
     @functools.cache
     def holds(comp: str, kind: str) -> frozenset:
@@ -115,13 +107,9 @@ def exchanges(hlo_text: str) -> list[Exchange]:
                 j = index.get(name)
                 if j is not None and j < i:
                     ancestors[i] |= ancestors[j] | (1 << j)
-            target = _TARGET.search(attrs)
             called = _called(attrs)
             inner = sorted(set().union(*(holds(c, "exchange") for c in called)))
-            if instr.op.removesuffix("-start") in _EXCHANGE_OPS or (target and target.group(1).startswith("te_ep_")):
-                exchange_ops.append(target.group(1) if target else instr.op.removesuffix("-start"))
-            else:
-                exchange_ops.append(f"{instr.op}({', '.join(inner)})" if inner else None)
+            exchange_ops.append(_exchange_op(instr.op, attrs) or (f"{instr.op}({', '.join(inner)})" if inner else None))
             computes.append(_is_compute(instr.op, attrs) or any(holds(c, "compute") for c in called))
             name = _OP_NAME.search(attrs)
             labels.append(_label(name.group(1)) if name else {})
@@ -141,6 +129,14 @@ def exchanges(hlo_text: str) -> list[Exchange]:
             found.append(Exchange(comp, instrs[i].name, op, _text(labels[i]), tuple(sorted(waits)),
                                   tuple(sorted(under))))
     return found
+
+
+def _exchange_op(op: str, text: str) -> str | None:
+    """An exchange's name (its opcode, or the NCCL EP custom call's target), None for anything else."""
+    if op.removesuffix("-start") in _EXCHANGE_OPS:
+        return op.removesuffix("-start")
+    target = _TARGET.search(text) if op == "custom-call" else None
+    return target.group(1) if target and target.group(1).startswith("te_ep_") else None
 
 
 def _is_compute(op: str, text: str) -> bool:

@@ -33,7 +33,7 @@ import math
 from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
-from MaxText.config.load import global_batch_size, layer_counts, load_config
+from MaxText.config.load import batch_parts, global_batch_size, layer_counts, load_config
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
 from MaxText.planning.params import parameter_counts
 
@@ -149,7 +149,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
         dispatch_per="node" if nccl_ep else "gpu" if cfg.moe_impl == "ragged" and cfg.ep_dedup else "slot",
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
-        batch_parts=cfg.batch_split_factor if cfg.use_batch_split_schedule else 1,
+        batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe import dense, dropless, te_block, te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
+from MaxText.layers.moe.layout import slice_scope
 from MaxText.layers.moe.router import Choice, choose, float32_logits, routing_stats
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
@@ -70,7 +68,7 @@ class MoeBlock(nnx.Module):
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
         ys, choices, valids, overflow = [], [], [], jnp.zeros((), jnp.float32)
         for k, (x_BLD, segment_ids_BL) in enumerate(zip(xs_BLD, segment_ids, strict=True)):
-            with jax.named_scope(f"batch_split{k}") if len(xs_BLD) > 1 else contextlib.nullcontext():
+            with slice_scope("batch_split", k, len(xs_BLD)):
                 b, l, d = x_BLD.shape
                 # DeepSeek's shared experts: every token, no routing. Nothing here depends on the routed path nor
                 # it on this, so XLA's scheduler is free to run these GEMMs while the dispatch's all-to-all is in

@@ -12,16 +12,13 @@ every slot that found no room is counted (`overflow`).
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import jax.numpy as jnp
 
 from MaxText.layers.moe import te_kernels
 from MaxText.layers.moe.dispatch import AlignedSort, LocalSort, Selection
 from MaxText.layers.moe.ep import ExpertParallel
 from MaxText.layers.moe.experts import expert_ffn
-from MaxText.layers.moe.layout import mesh_layout
+from MaxText.layers.moe.layout import mesh_layout, slice_scope
 from MaxText.layers.moe.nccl_ep import NcclEp
 from MaxText.layers.moe.router import Routing
 
@@ -70,8 +67,7 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
         w = layout.gather(w, x_TD.dtype)
         ys, overflow = [], 0
         for i, (a, b) in enumerate(_chunks(x_TD.shape[0], chunks)):
-            # the scope names the slice in XLA's metadata: MaxText.planning.overlap reads what waits for what
-            with jax.named_scope(f"moe_chunk{i}") if chunks > 1 else contextlib.nullcontext():
+            with slice_scope("moe_chunk", i, chunks):
                 x_RD, group_sizes_E, handle = plan.dispatch(x_TD[a:b], Selection(experts_TK[a:b], weights_TK[a:b]))
                 y_RD = expert_ffn(x_RD, group_sizes_E, w, gemm)
                 ys.append(plan.combine(y_RD, handle))

@@ -9,6 +9,7 @@ split over the batch axes, each device's experts' weights gathered over FSDP ins
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -18,6 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.experts import ExpertWeights
 from MaxText.parallel.sharding import logical_to_spec
+
+
+def slice_scope(scheme: str, k: int, count: int):
+    """The JAX name scope of slice k of `count` (scheme moe_chunk: num_moe_token_chunks; batch_split: the parts of
+    use_batch_split_schedule), none when there is one: XLA keeps it in each instruction's metadata, where
+    MaxText.planning.overlap reads which slice's exchange waits for which slice's compute."""
+    return jax.named_scope(f"{scheme}{k}") if count > 1 else contextlib.nullcontext()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from MaxText.config.errors import ConfigError
+from MaxText.config.load import batch_parts
 from MaxText.layers.moe.dispatch import ALIGN
 from MaxText.parallel.checks import nccl_ep_used
 
@@ -157,8 +158,7 @@ def ep_bootstrap_args(cfg, mesh_shape, global_batch: int) -> dict:
     """Keyword arguments of TE's ep_bootstrap for this config and mesh (world_size: the mesh's devices)."""
     te = import_te()
     # a split batch (use_batch_split_schedule) dispatches each part on its own: NCCL EP is sized for one part
-    parts = cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
-    tokens = tokens_per_ep_rank(mesh_shape, global_batch * cfg.max_target_length) // parts
+    tokens = tokens_per_ep_rank(mesh_shape, global_batch * cfg.max_target_length) // batch_parts(cfg)
     return dict(world_size=math.prod(mesh_shape.values()), num_experts=cfg.num_experts,
                 max_tokens_per_rank=tokens,
                 recv_capacity_per_rank=ep_recv_capacity(te, cfg, tokens, mesh_shape["expert"]),
