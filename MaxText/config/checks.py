@@ -239,6 +239,35 @@ def check_experts(cfg) -> None:
                           "means none, in a dense model)")
 
 
+def check_dropless_fallback(cfg) -> None:
+    """moe_dropless_fallback and its first-phase keys, as upstream MaxText relates them: a fallback replaces the
+    overflow of a bounded (ragged_buffer_factor) dropless buffer, so it needs one; the first-phase keys belong to the
+    step fallback. (NCCL EP, bootstrapped once for one receive capacity: parallel/checks.check_nccl_ep.)"""
+    mode = cfg.moe_dropless_fallback
+    if mode is not None:
+        if cfg.num_experts == 1 or cfg.moe_impl == "dense":
+            raise ConfigError(f"moe_dropless_fallback={mode} applies to the dropless MoE (moe_impl=ragged or "
+                              f"te_dropless with num_experts > 1), not moe_impl={cfg.moe_impl} with num_experts="
+                              f"{cfg.num_experts}; set moe_dropless_fallback=null")
+        if cfg.ragged_buffer_factor is None:
+            raise ConfigError(f"moe_dropless_fallback={mode} needs a bounded buffer to fall back from: with "
+                              "ragged_buffer_factor unset the buffers are the worst case and never overflow; set "
+                              "ragged_buffer_factor (e.g. 1.25) or moe_dropless_fallback=null")
+    if cfg.retry_dropless_first_steps and mode != "step":
+        raise ConfigError(f"retry_dropless_first_steps={cfg.retry_dropless_first_steps} needs "
+                          f"moe_dropless_fallback=step (it is {mode}); set it or retry_dropless_first_steps=0")
+    factor = cfg.first_phase_ragged_buffer_factor
+    if factor:
+        if not cfg.retry_dropless_first_steps or mode != "step":
+            raise ConfigError(f"first_phase_ragged_buffer_factor={factor} sizes the buffer of the first "
+                              "retry_dropless_first_steps steps under moe_dropless_fallback=step; set both, or "
+                              "first_phase_ragged_buffer_factor=0")
+        if factor < cfg.ragged_buffer_factor:
+            raise ConfigError(f"first_phase_ragged_buffer_factor={factor} is below ragged_buffer_factor="
+                              f"{cfg.ragged_buffer_factor}: the first steps, the least balanced, would get the smaller "
+                              "buffer; raise it to at least ragged_buffer_factor or set it to 0")
+
+
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
     """Slots per expert per group of L tokens: ceil(L*K/E * factor), at most L; L when uncapped."""
     if capacity_factor is None:
@@ -392,8 +421,8 @@ def check_paths(cfg) -> None:
 
 
 CHECKS = (check_schema, check_te_options, check_router, check_sizes, check_rope,
-          check_attention_heads, check_layers, check_experts, check_quantized_gemms, check_dense_masks,
-          check_parallelism, check_logical_axis_rules, check_run_name, check_checkpoint_sources,
+          check_attention_heads, check_layers, check_experts, check_dropless_fallback, check_quantized_gemms,
+          check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name, check_checkpoint_sources,
           check_upstream_consistency, check_paths)
 
 

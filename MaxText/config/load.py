@@ -331,6 +331,25 @@ def batch_parts(cfg) -> int:
     return cfg.batch_split_factor if cfg.use_batch_split_schedule else 1
 
 
+def with_buffer(cfg, factor):
+    """The config of the program that runs with receive-buffer factor `factor` (ragged_buffer_factor; None: the
+    dropless worst case, which has nothing to fall back from): moe_dropless_fallback=step's worst-case and
+    first-phase programs, and the evaluation's (eval_ragged_buffer_factor)."""
+    if factor == cfg.ragged_buffer_factor:
+        return cfg
+    fallback = cfg.moe_dropless_fallback if factor is not None else None
+    return replace(cfg, ragged_buffer_factor=factor, moe_dropless_fallback=fallback, retry_dropless_first_steps=0,
+                   first_phase_ragged_buffer_factor=0.0)
+
+
+def worst_case_program(cfg):
+    """The config of moe_dropless_fallback=step's rerun program: the worst-case buffers (with_buffer(cfg, None)) under
+    remat_policy=full, which keeps only each layer's input for the backward, so that the program that runs the rare
+    overflowing step needs little more memory than the bounded one (MaxText.plan shows both). Remat recomputes values,
+    it does not change them (XLA could still round a recomputed value differently; on CPU they are identical)."""
+    return replace(with_buffer(cfg, None), remat_policy="full")
+
+
 def cli_arguments(argv, doc: str) -> tuple[list[str], bool] | None:
     """The command line of a config-reading tool (MaxText.plan, MaxText.preflight): its arguments without
     `--json`, and whether `--json` was given; None after printing `doc` for -h/--help."""

@@ -78,6 +78,7 @@ def _number(x: float | None) -> str:
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 MOE_IMPLS = ("dense", "ragged", "te_dropless")
+DROPLESS_FALLBACKS = ("step", "layer")
 REMAT_POLICIES = ("full", "minimal", "none", "custom")
 REMAT_LOCATIONS = ("remat", "device", "offload")
 # Tensors tagged with jax.ad_checkpoint.checkpoint_name in the model; `remat_policy: custom` reads one
@@ -117,6 +118,10 @@ SCHEMA: dict[str, Key] = {
     "hbm_gib": Key(float, null=True, low=0, low_open=True, high=100000.0, doc=
         "memory per device (GiB) MaxText.plan checks the fit against (null: the local device's); train checks against "
         "the device's own, or this where it reports none (CPU)"),
+    "dropless_fallback_rate": Key(float, low=0, high=1, doc=
+        'MaxText.plan: the share of steps (moe_dropless_fallback=step) or MoE layer calls (layer) assumed to overflow; '
+        'the step-time model charges their worst-case rerun (a run logs its own: moe_step_replays, '
+        'moe_dropless_fallback_layers)'),
     "gpu_profile": Key(str, null=True, choices=GPU_PROFILES, doc=
         'target GPU system for MaxText.preflight: h100-sxm | h200-sxm | gb200-nvl72 | gb300-nvl72 (null: none)'),
     "host_memory_limit_gb": Key(int, null=True, low=1, high=100000.0, doc=
@@ -195,6 +200,17 @@ SCHEMA: dict[str, Key] = {
     "ragged_buffer_factor": Key(float, null=True, low=0, low_open=True, minus_one_null=True, doc=
         'ragged/te_dropless with expert parallelism: receive buffer = balanced load x factor; null = dropless worst '
         'case; overflow is counted, never silent'),
+    "eval_ragged_buffer_factor": Key(float, null=True, low=0, low_open=True, minus_one_null=True, doc=
+        'evaluation: the receive-buffer factor of the eval program; null = ragged_buffer_factor\'s'),
+    "moe_dropless_fallback": Key(str, null=True, choices=DROPLESS_FALLBACKS, doc=
+        'with a ragged_buffer_factor: null = overflow is counted and dropped | step = a step that overflowed is undone '
+        'and rerun by the worst-case-buffer program | layer = an overflowing MoE layer takes a worst-case branch'),
+    "retry_dropless_first_steps": Key(int, low=0, doc=
+        'moe_dropless_fallback=step: the first this many steps after (re)start run the worst-case program directly '
+        '(or the first_phase_ragged_buffer_factor one); 0 = off'),
+    "first_phase_ragged_buffer_factor": Key(float, low=0, doc=
+        'retry_dropless_first_steps: those steps try a buffer of this factor first (an overflow still reruns them '
+        'worst-case); 0 = off'),
     "ep_dedup": Key(bool, doc=
         'ragged/te_dropless (reference) expert parallelism: a token travels once per destination device, not once per '
         'chosen expert'),

@@ -165,15 +165,14 @@ GROUPS: tuple[Group, ...] = (
        "use_ring_of_experts moe_topk_before_ep_all_gather moe_dispatch_no_expert_sharding "
        "moe_chunk_barrier num_moe_emb_chunks use_sequential_layers"),
     _g(REFUSED, "a training method this trainer does not have (SFT, DPO, distillation, LoRA, DiLoCo, Muon, "
-                "batch ramp-up, elastic training, spike skipping, dropless fallbacks)",
+                "batch ramp-up, elastic training, spike skipping)",
        "use_dpo use_sft sft_train_on_completion_only distill_* training_objective block_diffusion_* enable_diloco "
        "diloco_* dcn_bandwidth_* enable_streaming_diloco num_diloco_fragments num_communication_overlapping_steps "
        "communication_overlapping_alpha skip_step_on_spikes skip_step_interval "
        "skip_step_scaling_factor trainable_parameters_mask adamw_mask adam_eps_root muon_* lora_input_adapters_path "
        "hf_lora_adapter_path enable_rampup_batch_size per_device_batch_size_start per_device_batch_size_increment "
        "global_rampup_samples elastic_* z_loss_multiplier eval_start_step "
-       "target_eval_loss activations_in_float32 eval_ragged_buffer_factor moe_dropless_fallback "
-       "retry_dropless_first_steps first_phase_ragged_buffer_factor use_chat_template chat_template_path "
+       "target_eval_loss activations_in_float32 use_chat_template chat_template_path "
        "chat_template"),
     _g(REFUSED, "this trainer's sequence-wise balance loss is load_balance_loss_type=sequence (DeepSeek-V3's "
                 "form; Megatron's is not checked to be the same)", "moe_use_megatron_seq_aux_loss"),

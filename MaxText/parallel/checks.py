@@ -93,6 +93,11 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
                           "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1 "
                           "(use_batch_split_schedule=true overlaps NCCL EP's exchange instead), or te_kernels=reference "
                           "/ moe_impl=ragged")
+    if cfg.moe_dropless_fallback is not None:
+        raise ConfigError(f"moe_dropless_fallback={cfg.moe_dropless_fallback}: NCCL EP (moe_impl=te_dropless with "
+                          "expert parallelism) is bootstrapped once per process for one receive capacity (TE 2.20), so "
+                          "a bounded program and its worst-case fallback cannot both run; set moe_dropless_fallback="
+                          "null (overflow is counted), or use moe_impl=ragged or te_kernels=reference")
     if cfg.te_moe_block:
         devices = math.prod(mesh_shape.values())
         if devices < 2:

@@ -32,10 +32,10 @@ from MaxText.parallel import sharding
 from MaxText.config.schema import QUANTIZATION_RECIPES, REMAT_TENSOR_NAMES
 from MaxText.config.checks import attention_weights
 from MaxText.config.errors import ConfigError
-from MaxText.config.load import global_batch_size, layer_counts
+from MaxText.config.load import global_batch_size, layer_counts, with_buffer, worst_case_program
 from MaxText.layers.attention_cudnn import max_segments
 from MaxText.layers.moe import dense as dense_moe
-from MaxText.layers.moe.ep import peer_capacity
+from MaxText.layers.moe.ep import peer_capacity, worst_case_chunks
 from MaxText.layers.moe.dispatch import aligned_buffer_rows
 from MaxText.planning.flops import model_flops_per_token
 from MaxText.step.state import state_spec
@@ -229,6 +229,17 @@ def _moe(cfg, t: int, tp: int, ep: int, a: int) -> LayerTensors:
     return block
 
 
+def worst_branch_bytes(cfg, moe_layer: LayerTensors, t: int, tp: int, ep: int, a: int) -> int:
+    """moe_dropless_fallback=layer: the most a MoE layer holds while its worst-case branch runs backward: the layer's
+    own tensors (lax.cond keeps the bounded branch's residuals) and one worst-case chunk's, recomputed
+    (dropless.moe_ffn: the chunks one at a time, ep.worst_case_chunks of them)."""
+    e = cfg.num_experts
+    chunks = cfg.num_moe_token_chunks
+    many = worst_case_chunks(t, chunks, cfg.num_experts_per_tok, e, e // ep, cfg.ragged_buffer_factor)
+    chunk = _moe(with_buffer(cfg, None), -(-t // many), tp, ep, a)
+    return moe_layer.residuals + moe_layer.working + chunk.residuals + chunk.working
+
+
 def layer_tensors(cfg, moe: bool, t: int, b: int, tp: int, ep: int, a: int) -> LayerTensors:
     ffn = _moe(cfg, t, tp, ep, a) if moe else _mlp(cfg, t, tp, a, cfg.base_mlp_dim)
     return _attention(cfg, t, b, tp, a) + ffn
@@ -270,6 +281,8 @@ def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
     # The backward of a rematerialised layer first rebuilds everything its backward reads, then works
     # through it block by block; without remat those residuals are already in `saved`.
     layer = max((0 if cfg.remat_policy == "none" else lt.residuals) + lt.working for _, lt in kinds)
+    if cfg.moe_dropless_fallback == "layer" and moe and ep > 1:
+        layer = max(layer, worst_branch_bytes(cfg, kinds[-1][1], t, tp, ep, a))
     # float32 logits of the main head and each MTP depth: kept for the backward, or with
     # num_vocab_tiling one tile at a time (recomputed in the backward)
     heads = 1 + cfg.mtp_num_layers
@@ -321,6 +334,14 @@ def device_bytes(cfg, spec, mesh_shape: dict, num_devices: int) -> tuple[dict, d
     return memory, acts
 
 
+def fallback_bytes(cfg, spec, mesh_shape: dict, num_devices: int) -> dict | None:
+    """moe_dropless_fallback=step: device_bytes of the program that reruns an overflowing step (worst-case buffers,
+    remat_policy=full), which must fit too; None otherwise."""
+    if cfg.moe_dropless_fallback != "step":
+        return None
+    return device_bytes(worst_case_program(cfg), spec, mesh_shape, num_devices)[0]
+
+
 def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
     """The trainer's start-up check against the local device's memory, else hbm_gib, else on CPU the host's memory
     shared by its CPU devices.
@@ -333,6 +354,9 @@ def check_fits(cfg, spec, mesh_shape: dict, num_devices: int, log) -> None:
     if not hbm:
         return
     memory = device_bytes(cfg, spec, mesh_shape, num_devices)[0]
+    rerun = fallback_bytes(cfg, spec, mesh_shape, num_devices)
+    if rerun and sum(rerun.values()) > sum(memory.values()):  # the larger of the two programs must fit
+        memory = rerun
     total, limit = sum(memory.values()), hbm * GIB
     state = memory["params"] + memory["gradients"] + memory["optimizer"]
     parts = f"params, gradients and optimizer {state / GIB:.3g}, activations {memory['activations'] / GIB:.3g}"
@@ -356,10 +380,12 @@ def plan(cfg, hbm_gib: float | None = None, collectives: list[dict] | None = Non
     counts = parameter_counts(cfg, spec.abstract["params"])
     memory, acts = device_bytes(cfg, spec, mesh_shape, num_devices)
     device_total = sum(memory.values())
+    rerun = fallback_bytes(cfg, spec, mesh_shape, num_devices)
+    rerun_total = sum(rerun.values()) if rerun else 0
     hbm = hbm_gib or cfg.hbm_gib or default_hbm_gib()
     verdict = None
     if hbm:
-        use = device_total / (hbm * GIB)
+        use = max(device_total, rerun_total) / (hbm * GIB)
         verdict = "fits" if use <= HEADROOM else ("tight" if use <= 1.0 else "does not fit")
     return {
         "num_devices": num_devices,
@@ -372,6 +398,7 @@ def plan(cfg, hbm_gib: float | None = None, collectives: list[dict] | None = Non
         "params_active_mtp": counts.mtp_active,
         "flops_per_token": model_flops_per_token(cfg),
         "bytes": memory | {"total": device_total},
+        "fallback_program_bytes": rerun and rerun | {"total": rerun_total},
         "activation_detail": {k: acts[k] for k in ("saved", "transient", "te_fp8_per_moe_layer")},
         "fsdp_gather_dtype": cfg.dtype,  # layers are gathered in the compute dtype, gradients reduced in weight_dtype
         "host_offload_bytes": acts["host_offload"],
@@ -433,8 +460,12 @@ def format_table(p: dict) -> str:
     if p["activation_detail"]["te_fp8_per_moe_layer"]:
         lines.append(f"(activations include TE's FP8 copies in one MoE layer: "
                      f"{p['activation_detail']['te_fp8_per_moe_layer'] / GIB:.2f} GiB)")
+    rerun = p["fallback_program_bytes"]
+    if rerun:
+        lines.append(f"{'step rerun program':<18} {rerun['total'] / GIB:>10.2f}  (moe_dropless_fallback=step: worst-case "
+                     f"buffers, remat full; activations {rerun['activations'] / GIB:.2f})")
     if p["verdict"]:
-        use = p["bytes"]["total"] / (p["hbm_gib"] * GIB)
+        use = max(p["bytes"]["total"], rerun["total"] if rerun else 0) / (p["hbm_gib"] * GIB)
         lines.append(f"\nverdict: {p['verdict']} in {p['hbm_gib']:g} GiB HBM ({use:.0%} used; "
                      f"'fits' leaves {1 - HEADROOM:.0%} for XLA workspace and communication buffers)")
     else:
@@ -454,6 +485,10 @@ def format_table(p: dict) -> str:
         if name == "ep" and st.get("ep_overlap"):
             lines.append(f"    hidden: {st['ep_overlap']}")
     lines.append(f"  {'exposed comm':<20} {st['exposed_comm_s']:>10.2f}")
+    if st["fallback_s"]:
+        what = "steps rerun worst-case" if p["fallback_program_bytes"] else "MoE layer calls worst-case"
+        lines.append(f"  {'dropless fallback':<20} {st['fallback_s']:>10.2f}   (dropless_fallback_rate: "
+                     f"{st['fallback_rate']:.1%} of {what})")
     lines.append(f"step {st['step_s']:.2f} s: {st['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
                  f"{st['tflops_per_gpu']:.0f} TFLOP/s/GPU, MFU {st['mfu']:.0%} of bf16 peak; bound by {st['bound']}")
     return "\n".join(lines)

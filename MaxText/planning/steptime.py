@@ -127,6 +127,8 @@ class Layout(NamedTuple):
     expert_regather: bool = True    # the backward gathers the expert weights again (any remat; not with none)
     dispatch_recompute: bool = False  # the backward redoes the EP dispatch (moe_dispatch rematerialised)
     grad_accumulation: int = 1      # this trainer's micro-batches per step: FSDP gathers, gradient reductions each
+    fallback: str = ""              # moe_dropless_fallback: step | layer ("": none)
+    fallback_rate: float = 0.0      # the share of steps (step) or MoE layer calls (layer) that overflow: fallback_time
 
 
 def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
@@ -156,7 +158,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
         dispatch_recompute=cfg.remat_policy == "full" or (cfg.remat_policy == "custom"
                                                            and cfg.moe_dispatch == "remat"),
-        grad_accumulation=cfg.gradient_accumulation_steps)
+        grad_accumulation=cfg.gradient_accumulation_steps, fallback=cfg.moe_dropless_fallback or "",
+        fallback_rate=cfg.dropless_fallback_rate if cfg.moe_dropless_fallback else 0.0)
 
 
 # The named matmul outputs (config.py's remat names) by kind of FLOPs.
@@ -417,12 +420,26 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     exposed = sum(v * (1 - overlap[kind]) for kind, v in comm.items()) + max(0.0, hidden - compute)
     microbatches = max(1, lay.global_batch // (lay.micro_batch * lay.devices // (lay.tp * lay.pp)))
     bubble = (lay.pp - 1) / (microbatches * lay.vp) * (0.5 if lay.dualpipe else 1.0) if lay.pp > 1 else 0.0
-    step = (compute + exposed) * (1 + bubble)
+    fallback = fallback_time(m, lay, hw, module_comm, t, comm) if lay.fallback and lay.fallback_rate else 0.0
+    step = (compute + exposed) * (1 + bubble) + fallback
     terms = {"compute": compute} | comm
     return {"compute_s": t, "comm_s": comm, "overlap": {k: overlap[k] for k in comm}, "exposed_comm_s": exposed,
-            "ep_overlap": ep_overlap_reason(lay) if "ep" in comm else None, "bubble": bubble, "step_s": step,
+            "ep_overlap": ep_overlap_reason(lay) if "ep" in comm else None, "bubble": bubble, "fallback_s": fallback,
+            "fallback_rate": lay.fallback_rate, "step_s": step,
             "tokens_per_s_per_gpu": lay.global_batch * lay.seq / lay.devices / step,
             "bound": max(terms, key=terms.get)}
+
+
+def fallback_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None, t: dict, comm: dict) -> float:
+    """Seconds a step spends on average in moe_dropless_fallback at fallback_rate. step: that share of the steps run
+    again with the worst-case program (MaxText.trainer.programs: remat_policy=full, so everything is recomputed and
+    nothing offloaded). layer: that share of the MoE layer calls keep nothing of their worst-case branch, so the
+    backward runs its grouped GEMMs' forward and its dispatch and combine once more (half of the exchange's time)."""
+    if lay.fallback == "step":
+        worst = lay._replace(fallback="", fallback_rate=0.0, recompute=1.0, offload_bytes=0.0, expert_regather=True,
+                             dispatch_recompute=True)
+        return lay.fallback_rate * step_time(m, worst, hw, module_comm)["step_s"]
+    return lay.fallback_rate * (t["grouped_gemm"] / (3.0 + lay.recompute) + comm.get("ep", 0.0) / 2)
 
 
 def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> dict[str, float]:

@@ -37,12 +37,25 @@ def _new_state(cfg, rules, tx, key):
     return state
 
 
+def _split_model(cfg, rules):
+    # Outside any mesh (a run builds its programs inside one): the variables' axes are logical names, which
+    # nnx.eval_shape would otherwise read as the mesh's.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rules, rngs=nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param, MoeBias)
+
+
+def with_config(spec: StateSpec, cfg) -> StateSpec:
+    """`spec` whose graphdef builds the model under `cfg`, a config that changes no parameter (another receive
+    buffer: load.with_buffer): the same state, shapes and shardings."""
+    return spec._replace(graphdef=_split_model(cfg, sharding.axis_rules(cfg))[0])
+
+
 def state_spec(cfg, mesh: Mesh) -> StateSpec:
     """Shapes and shardings of the train state without allocating it (jax.eval_shape over the real model)."""
     rules = sharding.axis_rules(cfg)
     tx = optimizer(cfg)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rules, rngs=nnx.Rngs(0)))
-    graphdef, param_vars, aux_vars = nnx.split(model, nnx.Param, MoeBias)
+    graphdef, param_vars, aux_vars = _split_model(cfg, rules)
     param_shardings = sharding.logical_sharding(nnx.to_pure_dict(nnx.get_partition_spec(param_vars)), mesh, rules)
     abstract = jax.eval_shape(lambda k: _new_state(cfg, rules, tx, k), jax.random.key(0))
     replicated = NamedSharding(mesh, P())

@@ -43,7 +43,8 @@ def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
 
 
 def moe_metrics(stats) -> dict:
-    """Expert-load statistics per MoE layer (arrays over layers; expert_load is [layers, E])."""
+    """Expert-load statistics per MoE layer (arrays over layers; expert_load is [layers, E]); with
+    moe_dropless_fallback=layer, the batch parts each layer ran with its worst-case buffers and their total."""
     load_LE = stats["load_E"]
     mean_L = jnp.mean(load_LE, axis=-1)
     return {
@@ -55,6 +56,8 @@ def moe_metrics(stats) -> dict:
         "moe_dropped_fraction": stats["dropped_fraction"],
         "moe_overflow": stats["overflow"],
         "moe_bias_abs_mean": stats["bias_abs_mean"],
+        **({"moe_fallback": stats["fallback"], "moe_dropless_fallback_layers": jnp.sum(stats["fallback"])}
+           if "fallback" in stats else {}),
     }
 
 
@@ -71,7 +74,7 @@ def micro_batches(batch, steps: int):
 
 
 # How each router statistic of a step combines over micro-batches: summed counts, else the micro-batch mean.
-SUMMED_STATS = ("load_E", "overflow")
+SUMMED_STATS = ("load_E", "overflow", "fallback")
 
 
 def accumulated_loss_and_grads(params, batch, loss, cfg):
@@ -109,9 +112,11 @@ def accumulated_loss_and_grads(params, batch, loss, cfg):
     return value, {**losses, **combined}, grads
 
 
-def train_step(state, batch, *, graphdef, cfg, tx):
+def train_step(state, batch, *, graphdef, cfg, tx, rollback: bool = False):
     """(state, batch) -> (new state, metrics). Pure; jit it with the state donated. With
-    gradient_accumulation_steps > 1 the batch is taken in that many micro-batches (accumulated_loss_and_grads)."""
+    gradient_accumulation_steps > 1 the batch is taken in that many micro-batches (accumulated_loss_and_grads).
+    With `rollback` (moe_dropless_fallback=step), a step in which any MoE layer overflowed returns the state it was
+    given, unchanged (metrics["moe_overflowed"] says so), for the worst-case program to run it again."""
     nnx_aux = state.get("nnx_aux")
     loss = functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux)
     if cfg.gradient_accumulation_steps > 1:
@@ -139,6 +144,10 @@ def train_step(state, batch, *, graphdef, cfg, tx):
     routers = router_layers(aux)
     if routers:
         metrics.update(moe_metrics(routers))
+    if rollback and routers:
+        overflowed = jnp.sum(routers["overflow"]) > 0
+        new_state = jax.tree.map(lambda new, old: jnp.where(overflowed, old, new), new_state, state)
+        metrics["moe_overflowed"] = overflowed
     return new_state, metrics
 
 
@@ -151,9 +160,9 @@ def router_layers(aux) -> dict:
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), *parts)
 
 
-def jit_train_step(cfg, spec, batch_sharding):
+def jit_train_step(cfg, spec, batch_sharding, rollback: bool = False):
     """train_step jitted with explicit shardings (state in/out, batch in) and the old state donated."""
-    step = functools.partial(train_step, graphdef=spec.graphdef, cfg=cfg, tx=spec.tx)
+    step = functools.partial(train_step, graphdef=spec.graphdef, cfg=cfg, tx=spec.tx, rollback=rollback)
     return jax.jit(step, in_shardings=(spec.shardings, batch_sharding),
                    out_shardings=(spec.shardings, None), donate_argnums=(0,))
 
@@ -170,6 +179,8 @@ def eval_step(state, batch, *, graphdef, cfg):
     out = {"loss_sum": mean * jnp.maximum(tokens, 1.0), "tokens": tokens}
     if moe_stats:
         out["moe_overflow"] = moe_stats["overflow"]
+        if "fallback" in moe_stats:
+            out["moe_fallback"] = moe_stats["fallback"]
         out["moe_slots"] = jnp.sum(batch["inputs_segmentation"] != 0).astype(jnp.float32) * cfg.num_experts_per_tok
     return out
 

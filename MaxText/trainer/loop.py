@@ -24,11 +24,11 @@ from MaxText.parallel import sharding
 from MaxText.planning import flops
 from MaxText.planning.plan import check_fits
 from MaxText.step.state import state_spec
-from MaxText.step.train_step import jit_train_step
 from MaxText.trainer import metrics as metrics_lib
 from MaxText.trainer.checkpointing import Checkpointer
 from MaxText.trainer.evaluation import Evaluator
 from MaxText.trainer.profiler import Profiler
+from MaxText.trainer.programs import StepPrograms
 from MaxText.trainer.resume import initial_state
 from MaxText.trainer.run_lock import run_lock
 from MaxText.trainer.signals import StopFlag
@@ -174,7 +174,9 @@ class StepLog:
         self.progress.write(f"eval at step {step}: loss {record['eval_loss']:.4f}, perplexity "
                             f"{record['eval_perplexity']:.2f} over {record['eval_tokens']} tokens"
                             + (f", dropped {np.mean(record['eval_moe_dropped_fraction']):.3f}, overflow "
-                               f"{np.sum(record['eval_moe_overflow']):.0f}" if "eval_moe_overflow" in record else ""))
+                               f"{np.sum(record['eval_moe_overflow']):.0f}" if "eval_moe_overflow" in record else "")
+                            + (f", {record['eval_moe_rerun_batches']} batches rerun worst-case"
+                               if record.get("eval_moe_rerun_batches") else ""))
 
     def close(self) -> None:
         self.progress.close()
@@ -188,7 +190,7 @@ class Loop:
     def __init__(self, cfg, spec, mesh, global_batch: int, outputs, checkpointer, stop, log, start: int):
         self.cfg, self.checkpointer, self.stop, self.log, self.start = cfg, checkpointer, stop, log, start
         self.batch_sharding = sharding.batch_sharding(mesh)
-        self.step_fn = jit_train_step(cfg, spec, self.batch_sharding)
+        self.programs = StepPrograms(cfg, spec, self.batch_sharding, start, log)
         self.evaluate = Evaluator(cfg, spec, self.batch_sharding, global_batch) if cfg.eval_interval != -1 else None
         self.steps = StepLog(cfg, outputs, mesh.devices.size, global_batch, start, checkpointer)
         self.profiler = Profiler(cfg, outputs.local, start, log)
@@ -211,7 +213,7 @@ class Loop:
                 raise DataError(f"{e}; {stopped_at(step, self.start, state, data, checkpointer)}") from None
             batch = jax.make_array_from_process_local_data(self.batch_sharding, local)
             self.profiler.before_step(step)
-            state, step_metrics = self.step_fn(state, batch)
+            state, step_metrics = self.programs(step, state, batch)
             self.profiler.after_step(step, state)
             self.settle()
             self.pending = (step + 1, step_metrics)

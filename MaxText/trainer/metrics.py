@@ -25,7 +25,9 @@ TB_TAGS = {
     "moe_aux_loss": "learning/moe_lb_loss", "moe_z_loss": "learning/z_loss", "grad_norm": "learning/grad_norm",
     "learning_rate": "learning/current_learning_rate", "step_time_s": "perf/step_time_seconds",
     "tokens_per_s_per_device": "perf/per_device_tokens_per_sec", "tflops_per_device": "perf/per_device_tflops_per_sec",
-    "eval_loss": "eval/avg_loss", "eval_perplexity": "eval/avg_perplexity", "eval_tokens": "eval/total_weights",
+    "moe_dropless_fallback_layers": "learning/moe_dropless_fallback_layers",
+    "eval_moe_dropless_fallback_layers": "eval/moe_dropless_fallback_layers", "eval_loss": "eval/avg_loss",
+    "eval_perplexity": "eval/avg_perplexity", "eval_tokens": "eval/total_weights",
 }
 
 
@@ -111,7 +113,8 @@ def _summary(value, reduce):
 
 def console_line(record: dict) -> str:
     """MaxText's log line: completed step, seconds, TFLOP/s/device, Tokens/s/device, losses, and a summary
-    of the MoE layers (worst expert imbalance, mean dropped fraction, total overflow)."""
+    of the MoE layers (worst expert imbalance, mean dropped fraction, total overflow; with moe_dropless_fallback,
+    the layers that ran worst-case this step (layer) or the steps rerun so far (step))."""
     record = {**record, "imbalance": _summary(record.get("moe_load_max_over_mean"), np.max),
               "dropped": _summary(record.get("moe_dropped_fraction"), np.mean),
               "overflow": _summary(record.get("moe_overflow"), np.sum)}
@@ -122,7 +125,9 @@ def console_line(record: dict) -> str:
                             ("moe_aux_loss", "moe_lb_loss", ".4f"), ("mtp_loss", "mtp_loss", ".4f"),
                             ("grad_norm", "grad_norm", ".3f"),
                             ("learning_rate", "lr", ".3e"), ("imbalance", "max/mean expert load", ".2f"),
-                            ("dropped", "dropped", ".3f"), ("overflow", "overflow", ".0f")):
+                            ("dropped", "dropped", ".3f"), ("overflow", "overflow", ".0f"),
+                            ("moe_dropless_fallback_layers", "worst-case layers", ".0f"),
+                            ("moe_step_replays", "replayed steps", "d")):
         if record.get(key) is not None:
             parts.append(f"{label}: {record[key]:{fmt}}")
     return ", ".join(parts)

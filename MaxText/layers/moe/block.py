@@ -44,7 +44,8 @@ class MoeBlock(nnx.Module):
 
     def __call__(self, x_BLD, segment_ids_BL=None):
         """Returns y_BLD and this layer's stats: lb_loss, z_loss, load_E, entropy, bias_abs_mean,
-        overflow (real token-slots that got no expert output) and dropped_fraction (overflow / real slots).
+        overflow (real token-slots that got no expert output), dropped_fraction (overflow / real slots) and, with
+        moe_dropless_fallback=layer, fallback (1 when the layer took its worst-case buffers).
         Tokens with segment id 0 are padding: routed, but no load (see router.route). A split batch
         (use_batch_split_schedule: x_BLD and segment_ids_BL tuples of parts) gives a tuple of outputs and the
         stats of all parts together, as one batch would."""
@@ -66,7 +67,8 @@ class MoeBlock(nnx.Module):
         topk = te_kernels.kernels(cfg).topk if cfg.moe_impl == "te_dropless" else None
         logits = te_block.gate_logits if cfg.te_moe_block else float32_logits
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
-        ys, choices, valids, overflow = [], [], [], jnp.zeros((), jnp.float32)
+        ys, choices, valids = [], [], []
+        overflow = fallback = jnp.zeros((), jnp.float32)
         for k, (x_BLD, segment_ids_BL) in enumerate(zip(xs_BLD, segment_ids, strict=True)):
             with slice_scope("batch_split", k, len(xs_BLD)):
                 b, l, d = x_BLD.shape
@@ -88,6 +90,7 @@ class MoeBlock(nnx.Module):
             choices.append(choice)
             valids.append(valid_T)
             overflow = overflow + jnp.asarray(impl_stats["overflow"], jnp.float32)
+            fallback = fallback + impl_stats.get("fallback", 0.0)
         pooled = Choice(*(jnp.concatenate(fields) if len(choices) > 1 else fields[0] for fields in zip(*choices)))
         valid_T = None if valids[0] is None else jnp.concatenate(valids) if len(valids) > 1 else valids[0]
         routing = routing_stats(pooled, cfg, valid_T)
@@ -96,6 +99,8 @@ class MoeBlock(nnx.Module):
                  "bias_abs_mean": jnp.mean(jnp.abs(bias)) if bias is not None else jnp.zeros((), jnp.float32)}
         slots = (pooled.experts_TK.shape[0] if valid_T is None else jnp.sum(valid_T)) * cfg.num_experts_per_tok
         stats.update(overflow=overflow, dropped_fraction=overflow / jnp.maximum(slots, 1))
+        if cfg.moe_dropless_fallback == "layer":  # the parts of the batch that took the worst-case buffers
+            stats["fallback"] = fallback
         return tuple(ys), stats
 
     def moe_load(self, load_E) -> dict:

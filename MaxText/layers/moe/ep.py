@@ -70,6 +70,15 @@ def peer_capacity(tokens: int, top_k: int, num_experts: int, num_local_experts: 
     return Capacity(min(tokens, slots) if dedup else slots, slots)
 
 
+def worst_case_chunks(tokens: int, chunks: int, top_k: int, num_experts: int, num_local_experts: int, factor) -> int:
+    """moe_dropless_fallback=layer: the fewest token chunks a layer's worst-case branch can run in, one after another,
+    with no chunk's worst-case buffer larger than a bounded chunk's (`chunks` of them, factor `factor`); at least
+    `chunks`, and one token each where even a token's worst case is larger."""
+    bounded = peer_capacity(-(-tokens // chunks), top_k, num_experts, num_local_experts, factor).slots
+    fit = bounded // peer_capacity(1, top_k, num_experts, num_local_experts, None).slots  # tokens a chunk may hold
+    return tokens if fit == 0 else min(tokens, max(chunks, -(-tokens // fit)))
+
+
 def rank_rows(experts_TK, weights_TK, num_local_experts: int, num_peers: int, dedup: bool) -> RankRows:
     """Groups each token's K choices by the device holding the expert (global id e lives on e // E_local).
     With dedup: Q = min(K, N) rows per token, its distinct devices in increasing order, each with the choices
@@ -186,6 +195,18 @@ class ExpertParallel(NamedTuple):
     axis_name: str = "expert"
     buffer_factor: float | None = None
     dedup: bool = True
+
+    def overflows(self, routing):
+        """Whether this device's rows would overflow a peer's buffer in dispatch (some row not fitting its
+        destination's row or slot budget), computed from the routing alone, before any exchange."""
+        t, k = routing.experts_TK.shape
+        n = self.num_experts // self.num_local_experts
+        rows = rank_rows(routing.experts_TK, routing.weights_TK, self.num_local_experts, n, self.dedup)
+        slots_U = jnp.sum(rows.local_TQJ < self.num_local_experts, axis=2).reshape(-1)
+        to_UN = jax.nn.one_hot(rows.dest_TQ.reshape(-1), n, dtype=jnp.int32)  # unsent rows: all 0
+        capacity = peer_capacity(t, k, self.num_experts, self.num_local_experts, self.buffer_factor, self.dedup)
+        return (jnp.any(jnp.sum(to_UN, axis=0) > capacity.rows)
+                | jnp.any(jnp.sum(to_UN * slots_U[:, None], axis=0) > capacity.slots))
 
     def dispatch(self, x_TD, routing):
         experts_TK, weights_TK = routing.experts_TK, routing.weights_TK
