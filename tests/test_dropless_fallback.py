@@ -15,9 +15,10 @@ import pytest
 
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import worst_case_program
+from MaxText.layers.moe import te_runtime
 from MaxText.layers.moe.ep import peer_capacity, worst_case_chunks
 from MaxText.parallel import checks as parallel_checks, sharding
-from MaxText.planning import plan, steptime
+from MaxText.planning import plan, steptime, te_trace
 from MaxText.step.state import create_state, state_spec
 from MaxText.step.train_step import jit_train_step
 from MaxText.trainer import programs as programs_lib
@@ -25,6 +26,7 @@ from MaxText.trainer.metrics import console_line, tensorboard_scalars
 from tests import test_te_trace as trace_tests
 from tests.test_batch_split import BIASES, MODEL, _batch, _loss_and_grads
 from tests.test_moe_impls import _relative_close
+from tests.test_te_reference import at_sm, on_cpu  # noqa: F401 - fixtures: TE's Python on the references
 from tests.tiny import tiny_config, train_records
 
 
@@ -80,6 +82,38 @@ def test_layer_fallback_gives_the_worst_case_buffers_results(case):
         if bounded_too:  # the cases: all layers overflow under all-to-one, not all as initialised
             over = np.concatenate([np.asarray(got["bounded"][routing][1][p]["overflow"]) > 0 for p in ("moe", "mtp")])
             assert np.all(over) == (routing == "all_to_one") and np.any(over), f"{label}: overflowing layers {over}"
+
+
+@pytest.mark.te_trace
+def test_te_dropless_takes_the_layer_fallback_over_xlas_exchange_with_tes_kernels(at_sm):
+    """te_dropless with TE's kernels (TE's Python executing on the references, SM 90) and a fallback: NCCL EP is not
+    used (it takes one receive capacity), the exchange is XLA's, and the result is the worst-case buffers' (the
+    pure-JAX references'), gradients included, with every layer falling back under all-to-one routing."""
+    at_sm(90)
+    mesh_args, devices = trace_tests.MESHES["fsdp2_expert4"]
+    base = [*MODEL, *mesh_args, "moe_impl=te_dropless"]
+    te = tiny_config(*base, "ragged_buffer_factor=2.0", "moe_dropless_fallback=layer")
+    reference = tiny_config(*base, "te_kernels=reference")
+    mesh = sharding.create_mesh(te, jax.devices()[:devices])
+    assert not parallel_checks.nccl_ep_used(te, dict(mesh.shape))
+    assert parallel_checks.nccl_ep_used(tiny_config(*base), dict(mesh.shape))
+    batch = _batch(devices * 2, te.max_target_length, te.vocab_size, mesh)
+    spec = state_spec(te, mesh)
+    with jax.set_mesh(mesh), te_runtime.mesh_context(te):
+        traced = jit_train_step(te, spec, sharding.batch_sharding(mesh)).trace(spec.abstract, batch)
+        prims = {str(e.primitive) for e in te_trace.equations(traced.jaxpr)}
+        assert {trace_tests.ROUTER_FWD, trace_tests.GEMM} <= prims and not trace_tests.TE_EP & prims, prims
+    with te_runtime.mesh_context(te):
+        got = _results(te, mesh, batch)
+    want = _results(reference, mesh, batch)
+    for routing in ROUTINGS:
+        label = f"TE kernels, routing {routing}"
+        np.testing.assert_allclose(float(got[routing][0]), float(want[routing][0]), rtol=1e-4, err_msg=label)
+        have = dict(jax.tree_util.tree_flatten_with_path(got[routing][2])[0])
+        for path, w in jax.tree_util.tree_flatten_with_path(want[routing][2])[0]:
+            _relative_close(have[path], w, 1e-3, f"{label}: gradient {jax.tree_util.keystr(path)}")
+        stats = got[routing][1]["moe"]
+        assert not np.any(stats["overflow"]) and (routing != "all_to_one" or np.all(stats["fallback"] == 1)), stats
 
 
 def _states_with_bias(cfg, mesh, spec, bias):

@@ -166,6 +166,13 @@ def test_search_ranks_fitting_layouts_and_the_recipes_are_near_the_best():
     assert replanned["step_time"]["tokens_per_s_per_gpu"] == pytest.approx(best[0]["tokens_per_s_per_gpu"])
     shipped = plan.plan(load_config([recipe]))["step_time"]["tokens_per_s_per_gpu"]
     assert shipped >= 0.9 * best[0]["tokens_per_s_per_gpu"], (shipped, best[0])
+    # the recipe's bounded buffer drops its overflow; the search also ranks the layouts that drop nothing (a fallback)
+    assert best[0]["drops"] and result["best_dropping_nothing"]
+    for c in result["best_dropping_nothing"]:
+        assert not c["drops"] and any(o.startswith("moe_dropless_fallback=") for o in c["overrides"]), c
+        again = plan.plan(load_config([recipe, *c["overrides"]]))
+        assert again["verdict"] == "fits" and again["step_time"]["tokens_per_s_per_gpu"] == pytest.approx(
+            c["tokens_per_s_per_gpu"])
     old = plan.plan(load_config([recipe, "dcn_fsdp_parallelism=32", "dcn_expert_parallelism=1",
                                  "per_device_batch_size=1", "use_batch_split_schedule=false"]))["step_time"]
     assert shipped > 3 * old["tokens_per_s_per_gpu"] and old["bound"] == "fsdp", old

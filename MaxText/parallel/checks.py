@@ -62,9 +62,13 @@ def check_batch(cfg, shape: dict, global_batch: int) -> None:
 
 def nccl_ep_used(cfg, mesh_shape) -> bool:
     """Whether te_dropless runs NCCL EP on a mesh of this shape: TE kernels with expert parallelism, or TE's fused
-    MoE block (te_moe_block), which exchanges tokens through NCCL EP on any mesh."""
+    MoE block (te_moe_block), which exchanges tokens through NCCL EP on any mesh. With moe_dropless_fallback the
+    composed path exchanges over XLA's ragged all-to-all instead (NCCL EP takes one receive capacity per process:
+    a bounded program and its worst-case fallback cannot share it), still with TE's router and grouped GEMMs."""
     te = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
-    return te and (mesh_shape.get("expert", 1) > 1 or bool(cfg.te_moe_block))
+    if cfg.te_moe_block:
+        return te
+    return te and mesh_shape.get("expert", 1) > 1 and cfg.moe_dropless_fallback is None
 
 
 def check_nccl_ep(cfg, mesh_shape) -> None:
@@ -93,11 +97,11 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
                           "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1 "
                           "(use_batch_split_schedule=true overlaps NCCL EP's exchange instead), or te_kernels=reference "
                           "/ moe_impl=ragged")
-    if cfg.moe_dropless_fallback is not None:
-        raise ConfigError(f"moe_dropless_fallback={cfg.moe_dropless_fallback}: NCCL EP (moe_impl=te_dropless with "
-                          "expert parallelism) is bootstrapped once per process for one receive capacity (TE 2.20), so "
-                          "a bounded program and its worst-case fallback cannot both run; set moe_dropless_fallback="
-                          "null (overflow is counted), or use moe_impl=ragged or te_kernels=reference")
+    if cfg.moe_dropless_fallback is not None:  # only te_moe_block gets here with one (nccl_ep_used)
+        raise ConfigError(f"moe_dropless_fallback={cfg.moe_dropless_fallback}: TE's fused MoE block (te_moe_block=true) "
+                          "exchanges over NCCL EP, bootstrapped once per process for one receive capacity (TE 2.20), so "
+                          "a bounded program and its worst-case fallback cannot both run; set te_moe_block=false (the "
+                          "composed te_dropless path takes a fallback, over XLA's exchange) or moe_dropless_fallback=null")
     if cfg.te_moe_block:
         devices = math.prod(mesh_shape.values())
         if devices < 2:

@@ -3,7 +3,8 @@
 Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tensor parallelism inside a host,
 expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), FSDP over
 the rest; per-device batch sizes; the recipe's remat policy and `full`; the batch whole or in two parts
-(use_batch_split_schedule). The state is traced once (its shardings
+(use_batch_split_schedule); with a bounded receive buffer (ragged_buffer_factor), overflow counted as the recipe has
+it or either moe_dropless_fallback, which drops nothing (its rerun program must fit too). The state is traced once (its shardings
 come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
 MaxText.planning.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
 tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
@@ -17,10 +18,12 @@ from typing import NamedTuple
 from MaxText.config.errors import ConfigError
 from MaxText.config.hardware import GPU_PROFILES, hosts_per_slice
 from MaxText.config.load import load_config
+from MaxText.config.schema import DROPLESS_FALLBACKS
 from MaxText.parallel import sharding
 from MaxText.planning import steptime
 from MaxText.planning.params import parameter_counts
-from MaxText.planning.plan import GIB, HEADROOM, abstract_mesh, device_bytes, modelled_step, planned_devices
+from MaxText.planning.plan import (GIB, HEADROOM, abstract_mesh, device_bytes, fallback_bytes, modelled_step,
+                                   planned_devices)
 from MaxText.step.state import state_spec
 
 BATCHES = (1, 2, 4, 6, 8)
@@ -36,6 +39,7 @@ class Candidate(NamedTuple):
     tokens_per_s_per_gpu: float
     mfu: float
     bound: str
+    drops: bool             # a bounded buffer without a fallback: overflow is counted and dropped
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -76,36 +80,50 @@ def search(argv: list[str], top: int = 5) -> dict:
     # the batch in two parts side by side (one part's EP exchange under the other's compute), or as the recipe has it
     splits = [[], ["use_batch_split_schedule=false"] if base.use_batch_split_schedule
               else ["use_batch_split_schedule=true", "batch_split_factor=2"]]
+    # a bounded buffer as the recipe has it (overflow counted, dropped) or never dropping, with either fallback
+    fallbacks = [[]] + ([[f"moe_dropless_fallback={m}"] for m in DROPLESS_FALLBACKS]
+                        if base.ragged_buffer_factor is not None and base.moe_dropless_fallback is None else [])
     found, tried = [], 0
     for ici, dcn in meshes(n, per_slice, profile.gpus_per_host, base.num_experts):
         layout = [f"{g}_{a}_parallelism={d[a]}" for g, d in (("ici", ici), ("dcn", dcn)) for a in AXES]
         for batch in BATCHES:
-            for remat, split in ((r, p) for r in remats for p in splits):
-                overrides = (*layout, f"per_device_batch_size={batch}", *remat, *split)
+            for remat, split, fallback in ((r, p, f) for r in remats for p in splits for f in fallbacks):
+                overrides = (*layout, f"per_device_batch_size={batch}", *remat, *split, *fallback)
                 tried += 1
                 try:
                     cfg = load_config([*argv, *overrides])
                     shape = sharding.mesh_shape(cfg, n)
                     memory, acts = device_bytes(cfg, spec, shape, n)
+                    rerun = fallback_bytes(cfg, spec, shape, n) or {}
                 except ConfigError:
                     continue
-                use = sum(memory.values()) / (hbm * GIB)
+                use = max(sum(memory.values()), sum(rerun.values())) / (hbm * GIB)
                 if use > HEADROOM:
                     continue
                 st = modelled_step(cfg, shape, n, total, acts["host_offload"])
+                drops = cfg.ragged_buffer_factor is not None and cfg.moe_dropless_fallback is None
                 found.append(Candidate(overrides, {a: shape[a] for a in AXES}, use, st["step_s"],
-                                       st["tokens_per_s_per_gpu"], st["mfu"], st["bound"]))
+                                       st["tokens_per_s_per_gpu"], st["mfu"], st["bound"], drops))
     found.sort(key=lambda c: -c.tokens_per_s_per_gpu)
     return {"num_devices": n, "hardware": steptime.PROFILE_HARDWARE[base.gpu_profile], "hbm_gib": hbm,
-            "tried": tried, "fitting": len(found), "best": [c._asdict() for c in found[:top]]}
+            "tried": tried, "fitting": len(found), "best": [c._asdict() for c in found[:top]],
+            "best_dropping_nothing": [c._asdict() for c in [c for c in found if not c.drops][:min(top, 3)]]}
 
 
 def format_search(result: dict) -> str:
     lines = [f"{result['tried']} layouts tried on {result['num_devices']} x {result['hardware']}, "
              f"{result['fitting']} fit in {result['hbm_gib']:g} GiB; the fastest by the step-time model:"]
-    for i, c in enumerate(result["best"], 1):
+    _candidates(lines, result["best"])
+    if any(c["drops"] for c in result["best"]) and result["best_dropping_nothing"]:
+        lines.append("the fastest that drop nothing:")
+        _candidates(lines, result["best_dropping_nothing"])
+    return "\n".join(lines)
+
+
+def _candidates(lines: list, candidates: list) -> None:
+    for i, c in enumerate(candidates, 1):
         mesh = " x ".join(f"{a} {c['mesh'][a]}" for a in AXES if c["mesh"][a] > 1)
         lines.append(f"{i}. {c['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, step {c['step_s']:.2f} s, MFU "
-                     f"{c['mfu']:.0%}, bound by {c['bound']}, {c['hbm_use']:.0%} of HBM ({mesh})")
+                     f"{c['mfu']:.0%}, bound by {c['bound']}, {c['hbm_use']:.0%} of HBM ({mesh}); "
+                     + ("overflow dropped (counted)" if c["drops"] else "drops nothing"))
         lines.append("   " + " ".join(c["overrides"]))
-    return "\n".join(lines)

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from MaxText.parallel import sharding
+from MaxText.parallel.checks import nccl_ep_used
 from MaxText.config.schema import QUANTIZATION_RECIPES, REMAT_TENSOR_NAMES
 from MaxText.config.checks import attention_weights
 from MaxText.config.errors import ConfigError
@@ -172,7 +173,7 @@ def _mlp(cfg, t: int, tp: int, a: int, width: int) -> LayerTensors:
 def dispatch_rows(cfg, t: int, ep: int) -> int:
     """Rows one device receives from the expert-parallel dispatch: NCCL EP (te_dropless with TE's kernels)
     delivers one per slot in its expert-aligned buffer (moe_rows); ep.py ep peers x its per-peer row capacity."""
-    if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto":
+    if nccl_ep_used(cfg, {"expert": ep}):
         return moe_rows(cfg, t, ep)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     return ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor, cfg.ep_dedup).rows

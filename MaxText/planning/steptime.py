@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.load import batch_parts, global_batch_size, layer_counts, load_config
+from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
 from MaxText.planning.params import parameter_counts
 
@@ -139,7 +140,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
 
     fsdp, ep, tp = mesh_shape["fsdp"], mesh_shape["expert"], mesh_shape["tensor"]
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
-    nccl_ep = cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto"
+    nccl_ep = nccl_ep_used(cfg, mesh_shape)
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
         tp=tp, ep=ep, fsdp=fsdp, fsdp_dense=fsdp * ep,
@@ -149,7 +150,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         dense_precision="fp8" if cfg.quantization != "none" else "",
         # NCCL EP's high-throughput algorithm (TE's) is hierarchical: RDMA between nodes, NVLink inside one (NVIDIA/nccl
         # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
-        dispatch_per="node" if nccl_ep else "gpu" if cfg.moe_impl == "ragged" and cfg.ep_dedup else "slot",
+        dispatch_per="node" if nccl_ep else "gpu" if cfg.ep_dedup else "slot",
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",

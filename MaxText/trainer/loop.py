@@ -21,6 +21,7 @@ from MaxText.data import make_data, validate
 from MaxText.data.records import DataError
 from MaxText.layers.moe.te_runtime import check_available, moe_runtime
 from MaxText.parallel import sharding
+from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning import flops
 from MaxText.planning.plan import check_fits
 from MaxText.step.state import state_spec
@@ -104,8 +105,12 @@ def _train(cfg, log, devices, stop) -> dict | None:
     global_batch = global_batch_size(cfg, mesh.devices.size)
     primary = jax.process_index() == 0
     run_dir, checkpoint_dir = run_directories(cfg)
+    xla_exchange = (cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and mesh.shape.get("expert", 1) > 1
+                    and not nccl_ep_used(cfg, dict(mesh.shape)))
     log(f"run {cfg.run_name}: mesh {dict(mesh.shape)}, global batch {global_batch} x {cfg.max_target_length} "
-        f"tokens, moe_impl={cfg.moe_impl}, outputs in {run_dir}")
+        f"tokens, moe_impl={cfg.moe_impl}"
+        + (" (TE's router and grouped GEMMs; the expert exchange over XLA's ragged all-to-all, as NCCL EP takes no "
+           "moe_dropless_fallback)" if xla_exchange else "") + f", outputs in {run_dir}")
     spec = state_spec(cfg, mesh)
     check_fits(cfg, spec, dict(mesh.shape), mesh.devices.size, log)  # too big: one line, not a hang in XLA
     # One trainer per run directory: taken before anything is written there, held until the run returns.

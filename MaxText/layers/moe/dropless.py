@@ -3,7 +3,8 @@ has routed already).
 
     dispatcher(cfg, layout, kernels)       which of dispatch.py's four: LocalSort (ragged) or AlignedSort
                                            (te_dropless) here, around them ExpertParallel with expert
-                                           parallelism, NcclEp with TE kernels and expert parallelism
+                                           parallelism, NcclEp with TE kernels and expert parallelism (but
+                                           ExpertParallel under moe_dropless_fallback)
     kernels                                te_kernels.REFERENCE (ragged; te_kernels=reference) or TE's
 
 No token is dropped unless a ragged_buffer_factor smaller than the worst case bounds the EP buffers, and then
@@ -33,7 +34,7 @@ def dispatcher(cfg, layout, kernels, num_experts: int):
     local = AlignedSort if cfg.moe_impl == "te_dropless" else LocalSort
     if layout.num_ep == 1:
         return local(num_experts)
-    if kernels.te is not None:
+    if kernels.te is not None and cfg.moe_dropless_fallback is None:  # NCCL EP takes no fallback (checks.nccl_ep_used)
         return NcclEp(kernels.te, cfg, layout)
     return ExpertParallel(num_experts, num_experts // layout.num_ep, local, "expert", cfg.ragged_buffer_factor,
                           cfg.ep_dedup)
