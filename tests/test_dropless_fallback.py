@@ -25,7 +25,7 @@ from MaxText.trainer import programs as programs_lib
 from MaxText.trainer.metrics import console_line, tensorboard_scalars
 from tests import test_te_trace as trace_tests
 from tests.test_batch_split import BIASES, MODEL, _batch, _loss_and_grads
-from tests.test_moe_impls import _relative_close
+from tests.test_moe_impls import MESHES, _relative_close
 from tests.test_te_reference import at_sm, on_cpu  # noqa: F401 - fixtures: TE's Python on the references
 from tests.tiny import tiny_config, train_records
 
@@ -45,7 +45,10 @@ def _results(cfg, mesh, batch) -> dict:
 LAYER_CASES = {  # name -> (mesh, overrides, also run the bounded program without a fallback)
     "ragged data2_expert4, 2 chunks": ("data2_expert4", ["moe_impl=ragged", "num_moe_token_chunks=2"], True),
     "te_dropless (reference) expert8": ("expert8", ["moe_impl=te_dropless", "te_kernels=reference"], False),
+    # all-to-one (experts 2 and 3, one slice) fits hop 1 (a row per token to that slice) and overflows hop 2 only
+    "ragged 2 slices x expert4, two hops": ("two_slices", ["moe_impl=ragged"], True),
 }
+LAYER_MESHES = {**trace_tests.MESHES, "two_slices": (MESHES["two_slices_expert4_two_hops"], 8)}
 
 
 @pytest.mark.parametrize("case", LAYER_CASES)
@@ -54,7 +57,7 @@ def test_layer_fallback_gives_the_worst_case_buffers_results(case):
     gradient and statistic, nothing dropped; a layer takes its worst-case branch exactly when its bounded buffers would
     have overflowed (all-to-one routing makes all of them do)."""
     mesh_name, overrides, bounded_too = LAYER_CASES[case]
-    mesh_args, devices = trace_tests.MESHES[mesh_name]
+    mesh_args, devices = LAYER_MESHES[mesh_name]
     base = [*MODEL, *mesh_args, *overrides]
     cfgs = {"worst": tiny_config(*base),
             "layer": tiny_config(*base, "ragged_buffer_factor=2.0", "moe_dropless_fallback=layer")}

@@ -27,10 +27,14 @@ MESHES = {
     "fsdp2_expert2_tensor2": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=2", "ici_tensor_parallelism=2"],
     "fsdp2_expert4_one_row_per_choice": ["ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "ep_dedup=false"],
     "expert8_three_token_chunks": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=8", "num_moe_token_chunks=3"],
+    # 8 devices as 2 slices of 4 on the expert axis, the exchange in two hops (two_hop.py)
+    "two_slices_expert4_two_hops": ["ici_fsdp_parallelism=1", "ici_expert_parallelism=4", "dcn_expert_parallelism=2",
+                                    "ep_two_hop=true"],
 }
 # Keys of the dropless EP path that ragged and te_dropless's reference share (ep.ExpertParallel,
 # the chunk loop of dropless.moe_ffn): run for ragged alone; dense does not read them.
 RAGGED_ONLY = ("fsdp2_expert4_one_row_per_choice", "expert8_three_token_chunks")
+DROPLESS_ONLY = ("two_slices_expert4_two_hops",)  # an exchange only the dropless impls have: both run it
 
 
 def _routing_cases():
@@ -102,7 +106,7 @@ def references():
 
 # RAGGED_ONLY meshes exercise the dropless expert-parallel path ragged and te_dropless share: run under ragged.
 IMPL_MESHES = [(impl, mesh) for mesh in MESHES for impl in ("dense", "ragged", "te_dropless")
-               if impl == "ragged" or mesh not in RAGGED_ONLY]
+               if (impl == "ragged" or mesh not in RAGGED_ONLY) and (impl != "dense" or mesh not in DROPLESS_ONLY)]
 
 
 @pytest.mark.parametrize("impl, mesh_name", IMPL_MESHES, ids=[f"{mesh}-{impl}" for impl, mesh in IMPL_MESHES])

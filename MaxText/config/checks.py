@@ -268,6 +268,23 @@ def check_dropless_fallback(cfg) -> None:
                               "buffer; raise it to at least ragged_buffer_factor or set it to 0")
 
 
+def check_two_hop(cfg) -> None:
+    """ep_two_hop: the pure-JAX exchange's two hops need slices to cross (the expert axis's DCN part, set) and send
+    a token once per slice and device (ep_dedup). (NCCL EP, two-hop already: parallel/checks.check_nccl_ep.)"""
+    if not cfg.ep_two_hop:
+        return
+    if cfg.moe_impl == "dense":
+        raise ConfigError("ep_two_hop=true is the dropless exchange's (moe_impl=ragged or te_dropless); moe_impl=dense "
+                          "exchanges nothing; set ep_two_hop=false")
+    if cfg.dcn_expert_parallelism in (None, -1) or cfg.dcn_expert_parallelism < 2:
+        raise ConfigError(f"ep_two_hop=true needs the expert axis across slices, dcn_expert_parallelism of 2 or more "
+                          f"(it is {cfg.dcn_expert_parallelism}): inside one slice there is no second hop; set "
+                          "ep_two_hop=false")
+    if not cfg.ep_dedup:
+        raise ConfigError("ep_two_hop=true sends a token once per destination slice and device, which is ep_dedup; "
+                          "set ep_dedup=true or ep_two_hop=false")
+
+
 def capacity(group_size: int, num_experts: int, top_k: int, capacity_factor) -> int:
     """Slots per expert per group of L tokens: ceil(L*K/E * factor), at most L; L when uncapped."""
     if capacity_factor is None:
@@ -421,9 +438,9 @@ def check_paths(cfg) -> None:
 
 
 CHECKS = (check_schema, check_te_options, check_router, check_sizes, check_rope,
-          check_attention_heads, check_layers, check_experts, check_dropless_fallback, check_quantized_gemms,
-          check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name, check_checkpoint_sources,
-          check_upstream_consistency, check_paths)
+          check_attention_heads, check_layers, check_experts, check_dropless_fallback, check_two_hop,
+          check_quantized_gemms, check_dense_masks, check_parallelism, check_logical_axis_rules, check_run_name,
+          check_checkpoint_sources, check_upstream_consistency, check_paths)
 
 
 def validate(cfg) -> None:

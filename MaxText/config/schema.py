@@ -214,6 +214,10 @@ SCHEMA: dict[str, Key] = {
     "ep_dedup": Key(bool, doc=
         'ragged/te_dropless (reference) expert parallelism: a token travels once per destination device, not once per '
         'chosen expert'),
+    "ep_two_hop": Key(bool, doc=
+        "ragged/te_dropless over XLA's exchange, expert parallelism across slices (dcn_expert_parallelism > 1): a "
+        "token crosses to each destination slice once, to the device at its own position there, which forwards it "
+        "inside the slice; same result"),
     "num_moe_token_chunks": Key(int, low=1, doc=
         'ragged/te_dropless (reference) expert parallelism: the tokens in this many slices, each with its own all-to-'
         "alls, so one slice's exchange can overlap another's GEMMs; same result"),

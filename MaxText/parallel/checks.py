@@ -97,6 +97,10 @@ def check_nccl_ep(cfg, mesh_shape) -> None:
                           "one call sized at bootstrap (moe_impl=te_dropless with expert parallelism); set it to 1 "
                           "(use_batch_split_schedule=true overlaps NCCL EP's exchange instead), or te_kernels=reference "
                           "/ moe_impl=ragged")
+    if cfg.ep_two_hop:
+        raise ConfigError("ep_two_hop=true: NCCL EP (moe_impl=te_dropless with TE's kernels and expert parallelism) "
+                          "already crosses between nodes once per destination node; set ep_two_hop=false (it is "
+                          "for the pure-JAX exchange: moe_impl=ragged, te_kernels=reference or moe_dropless_fallback)")
     if cfg.moe_dropless_fallback is not None:  # only te_moe_block gets here with one (nccl_ep_used)
         raise ConfigError(f"moe_dropless_fallback={cfg.moe_dropless_fallback}: TE's fused MoE block (te_moe_block=true) "
                           "exchanges over NCCL EP, bootstrapped once per process for one receive capacity (TE 2.20), so "

@@ -4,7 +4,8 @@ Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tenso
 expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), FSDP over
 the rest; per-device batch sizes; the recipe's remat policy and `full`; the batch whole or in two parts
 (use_batch_split_schedule); with a bounded receive buffer (ragged_buffer_factor), overflow counted as the recipe has
-it or either moe_dropless_fallback, which drops nothing (its rerun program must fit too). The state is traced once (its shardings
+it or either moe_dropless_fallback, which drops nothing (its rerun program must fit too; across slices its exchange
+in two hops, ep_two_hop). The state is traced once (its shardings
 come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
 MaxText.planning.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
 tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
@@ -88,7 +89,9 @@ def search(argv: list[str], top: int = 5) -> dict:
         layout = [f"{g}_{a}_parallelism={d[a]}" for g, d in (("ici", ici), ("dcn", dcn)) for a in AXES]
         for batch in BATCHES:
             for remat, split, fallback in ((r, p, f) for r in remats for p in splits for f in fallbacks):
-                overrides = (*layout, f"per_device_batch_size={batch}", *remat, *split, *fallback)
+                # a fallback's exchange is XLA's: across slices in two hops, once per destination slice
+                hops = ["ep_two_hop=true"] if fallback and dcn["expert"] > 1 and not base.ep_two_hop else []
+                overrides = (*layout, f"per_device_batch_size={batch}", *remat, *split, *fallback, *hops)
                 tried += 1
                 try:
                     cfg = load_config([*argv, *overrides])

@@ -38,6 +38,7 @@ from MaxText.layers.attention_cudnn import max_segments
 from MaxText.layers.moe import dense as dense_moe
 from MaxText.layers.moe.ep import peer_capacity, worst_case_chunks
 from MaxText.layers.moe.dispatch import aligned_buffer_rows
+from MaxText.layers.moe.two_hop import hop_capacities
 from MaxText.planning.flops import model_flops_per_token
 from MaxText.step.state import state_spec
 from MaxText.config.storage import shown_path
@@ -176,7 +177,18 @@ def dispatch_rows(cfg, t: int, ep: int) -> int:
     if nccl_ep_used(cfg, {"expert": ep}):
         return moe_rows(cfg, t, ep)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if two_hop_node(cfg, ep):  # both hops' receive buffers: a row per (token, slice), then per (row, device)
+        node = two_hop_node(cfg, ep)
+        first, second = hop_capacities(t, k, e, e // ep, node, cfg.ragged_buffer_factor)
+        return (ep // node) * first.rows + node * second.rows
     return ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor, cfg.ep_dedup).rows
+
+
+def two_hop_node(cfg, ep: int) -> int:
+    """ep_two_hop's devices of the expert axis per slice (dropless.dispatcher), 0 where the exchange is not two_hop.py's."""
+    if not cfg.ep_two_hop or ep == 1 or nccl_ep_used(cfg, {"expert": ep}):
+        return 0
+    return ep // cfg.dcn_expert_parallelism
 
 
 def moe_rows(cfg, t: int, ep: int) -> int:
@@ -187,6 +199,9 @@ def moe_rows(cfg, t: int, ep: int) -> int:
         return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor)
     # Under EP: the slots the peers may send (NCCL EP's receive capacity alike), however many rows carry them.
     rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor).slots
+    if two_hop_node(cfg, ep):  # the relays of the device's slice may send it so many
+        node = two_hop_node(cfg, ep)
+        rows = node * hop_capacities(t, k, e, e // ep, node, cfg.ragged_buffer_factor)[1].slots
     return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
 
 

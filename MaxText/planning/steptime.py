@@ -149,8 +149,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
         dense_precision="fp8" if cfg.quantization != "none" else "",
         # NCCL EP's high-throughput algorithm (TE's) is hierarchical: RDMA between nodes, NVLink inside one (NVIDIA/nccl
-        # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node.
-        dispatch_per="node" if nccl_ep else "gpu" if cfg.ep_dedup else "slot",
+        # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node; so does ep_two_hop's.
+        dispatch_per="node" if nccl_ep or cfg.ep_two_hop else "gpu" if cfg.ep_dedup else "slot",
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",

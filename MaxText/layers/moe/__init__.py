@@ -6,6 +6,7 @@
                  device in one shard_map (layout.py)
     dispatch.py  the dispatcher interface; LocalSort (ragged) and AlignedSort (TE's 128-row groups)
     ep.py        ExpertParallel: the exchange between devices on the `expert` axis, around a local dispatcher
+    two_hop.py   TwoHop: the same across slices in two hops (ep_two_hop): a row per destination slice, then inside it
     nccl_ep.py   NcclEp: TE's NCCL EP dispatch and combine
     experts.py   the grouped expert FFN (SwiGLU) over a kernel set's grouped GEMM
     te_kernels.py  kernel sets: pure JAX (gmm.py: block-sparse on CPU, ragged_dot on GPU) or TE's

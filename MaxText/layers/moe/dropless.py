@@ -27,6 +27,7 @@ from MaxText.layers.moe.experts import expert_ffn
 from MaxText.layers.moe.layout import mesh_layout, slice_scope
 from MaxText.layers.moe.nccl_ep import NcclEp
 from MaxText.layers.moe.router import Routing
+from MaxText.layers.moe.two_hop import TwoHop
 
 
 def dispatcher(cfg, layout, kernels, num_experts: int):
@@ -36,6 +37,9 @@ def dispatcher(cfg, layout, kernels, num_experts: int):
         return local(num_experts)
     if kernels.te is not None and cfg.moe_dropless_fallback is None:  # NCCL EP takes no fallback (checks.nccl_ep_used)
         return NcclEp(kernels.te, cfg, layout)
+    if cfg.ep_two_hop:  # the axis's slices: dcn_expert_parallelism of them (config.checks.check_two_hop)
+        return TwoHop(num_experts, num_experts // layout.num_ep, layout.num_ep // cfg.dcn_expert_parallelism, local,
+                      "expert", cfg.ragged_buffer_factor)
     return ExpertParallel(num_experts, num_experts // layout.num_ep, local, "expert", cfg.ragged_buffer_factor,
                           cfg.ep_dedup)
 
@@ -68,7 +72,7 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
         return y_TD.astype(x_TD.dtype), {"overflow": handle.overflow}
 
     chunks = cfg.num_moe_token_chunks if layout.num_ep > 1 else 1
-    fallback = cfg.moe_dropless_fallback == "layer" and isinstance(plan, ExpertParallel)
+    fallback = cfg.moe_dropless_fallback == "layer" and isinstance(plan, (ExpertParallel, TwoHop))
 
     def stages(x_TD, experts_TK, weights_TK, w, plan=plan, chunks=chunks, top=True):
         """This device's tokens in `chunks` slices, each dispatched, run by its experts and combined. At the top of
@@ -95,7 +99,7 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
     return y_TD, {"overflow": overflow}
 
 
-def with_fallback(stages, plan: ExpertParallel, chunks: int, layout, x_TD, experts_TK, weights_TK, w):
+def with_fallback(stages, plan, chunks: int, layout, x_TD, experts_TK, weights_TK, w):
     """moe_dropless_fallback=layer, inside shard_map: moe_ffn's bounded `stages`, or where any device's would
     overflow, the worst-case ones: in as many chunks as keep each one's buffers within the bounded ones
     (ep.worst_case_chunks), one after another, each recomputed on its own in the backward and nothing of the branch
@@ -124,7 +128,7 @@ def with_fallback(stages, plan: ExpertParallel, chunks: int, layout, x_TD, exper
     return y_TD, (overflow, took.astype(jnp.float32))
 
 
-def worst_case_needed(plan: ExpertParallel, experts_TK, weights_TK, chunks: int, batch_axes: tuple):
+def worst_case_needed(plan, experts_TK, weights_TK, chunks: int, batch_axes: tuple):
     """moe_dropless_fallback=layer, inside shard_map: whether any device's tokens, in any of its chunks, would
     overflow a bounded buffer; the same on every device (the branch taken holds collectives, which all must join):
     reduced over the axes that split the tokens (the devices of the others hold the same tokens)."""

@@ -133,10 +133,12 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
 
 @jax.named_scope("moe_dispatch")
 def send_rows(x_TD, dest_U, payload_UW, slots_U, *, rows_per_token: int, num_peers: int, axis_name: str,
-              capacity: Capacity, fill: float = 0.0) -> Exchange:
+              capacity: Capacity, fill: float = 0.0, senders: int | None = None) -> Exchange:
     """Sends row u (input row u // rows_per_token of x, and payload row u, carrying slots_U[u] slots) to device
-    dest_U[u]; rows whose dest is num_peers are not sent. Per peer, rows fit in (destination, row) order while
-    both the peer's row and slot budgets hold; the rest are not sent."""
+    dest_U[u] (its position on the axis, of num_peers); rows whose dest is num_peers are not sent. Per peer, rows
+    fit in (destination, row) order while both the peer's row and slot budgets hold; the rest are not sent. The
+    receive buffer holds `senders` (default: all) peers' budgets: an exchange inside groups of devices (two_hop.py)
+    passes its group's size."""
     n = num_peers
     me = jax.lax.axis_index(axis_name)
     u = dest_U.shape[0]
@@ -155,7 +157,7 @@ def send_rows(x_TD, dest_U, payload_UW, slots_U, *, rows_per_token: int, num_pee
     args = dict(input_offsets=_exclusive_cumsum(counts_N), send_sizes=sent_N,
                 output_offsets=_exclusive_cumsum(sent_NN, axis=0)[me], recv_sizes=sent_NN[:, me],
                 axis_name=axis_name, max_send=capacity.rows)
-    rows = n * capacity.rows
+    rows = (senders or n) * capacity.rows
     x_XD = ragged_exchange(x_TD[order_U // rows_per_token], jnp.zeros((rows,) + x_TD.shape[1:], x_TD.dtype), **args)
     payload_XW = ragged_exchange(payload_UW[order_U], jnp.full((rows,) + payload_UW.shape[1:], fill, payload_UW.dtype),
                                  **args)
