@@ -15,6 +15,11 @@ max error max|got - want| / max|want|: 5e-2 for the output, 1e-1 for the gradien
 Process 0 prints the table and writes the JSON; the exit code is 1 on any mismatch, 2 when it cannot run.
 `--kernels reference` runs the same check without TE (any platform with >= 2 devices): a dry run of the check.
 
+`--fallback` checks te_dropless's bounded buffers with moe_dropless_fallback=layer instead (ragged_buffer_factor=1,
+so the skewed and all-to-one routings fall back): TE's router and grouped GEMMs around XLA's ragged all-to-all on the
+GPUs, in two hops (ep_two_hop, the N GPUs as 2 slices) when N >= 4; nothing may overflow. tests/test_two_hop.py and
+tests/test_dropless_fallback.py run the same on 8 CPU devices.
+
 `--block` checks TE's fused MoE block (te_moe_block=true) instead: the block routes itself, so each routing is
 set by a selection bias on DeepSeek-V3's sigmoid router (none; the last quarter of the experts never chosen; every
 token's first choice expert 3), and the block's output and gradients (x, the gate, wi_0, wi_1, wo) are held to the
@@ -59,6 +64,13 @@ def layer_config(problem: Problem, num_ranks: int, kernels: str, *extra: str):
         f"num_experts_per_tok={problem.top_k}", f"base_emb_dim={problem.dim}", f"base_moe_mlp_dim={problem.hidden}",
         f"max_target_length={problem.seq}", f"per_device_batch_size={problem.batch_per_rank}", "dtype=bfloat16",
         "ici_fsdp_parallelism=1", "ici_expert_parallelism=-1", *extra])
+
+
+def fallback_overrides(num_ranks: int) -> tuple:
+    """--fallback: bounded buffers (the balanced load) with the layer fallback, over 2 slices in two hops when the
+    ranks split into slices of 2 or more."""
+    hops = ("dcn_expert_parallelism=2", "ep_two_hop=true") if num_ranks >= 4 else ()
+    return ("ragged_buffer_factor=1.0", "moe_dropless_fallback=layer", *hops)
 
 
 def host_inputs(problem: Problem, num_experts: int, tokens: int, routing: str, seed: int = 0) -> dict:
@@ -309,6 +321,8 @@ def main(argv=None) -> int:
     p.add_argument("--experts-per-rank", type=int, default=Problem().experts_per_rank)
     p.add_argument("--top-k", type=int, default=Problem().top_k)
     p.add_argument("--block", action="store_true", help="check TE's fused MoE block (te_moe_block=true) instead")
+    p.add_argument("--fallback", action="store_true",
+                   help="check bounded buffers with moe_dropless_fallback=layer over XLA's exchange instead")
     p.add_argument("--te-gmm-quantization", choices=("none", "mxfp8"), default="none",
                    help="the grouped GEMMs' precision under --block (mxfp8: Blackwell)")
     a = p.parse_args(argv)
@@ -335,6 +349,9 @@ def main(argv=None) -> int:
             extra = (*BLOCK_ROUTING, f"te_gmm_quantization={a.te_gmm_quantization}")
             cfg_te = layer_config(problem, n, a.kernels, *extra, "te_moe_block=true")
             cfg_ref = layer_config(problem, n, a.kernels, *extra)
+        elif a.fallback:
+            extra = fallback_overrides(n)
+            cfg_te, cfg_ref = layer_config(problem, n, a.kernels, *extra), layer_config(problem, n, "reference", *extra)
         else:
             cfg_te, cfg_ref = layer_config(problem, n, a.kernels), layer_config(problem, n, "reference")
         te_runtime.check_available(cfg_te)

@@ -141,8 +141,9 @@ def check_kernels(kit: Kit) -> dict:
 
 
 def check_ep(kit: Kit) -> dict:
-    """MaxText.benchmarks.ep_check on kit.ep GPUs through scripts/launch.sh --local, twice: te_dropless's NCCL EP
-    path, then TE's fused MoE block (--block); their JSONs, summarised (passed when both passed)."""
+    """MaxText.benchmarks.ep_check on kit.ep GPUs through scripts/launch.sh --local, three times: te_dropless's NCCL
+    EP path, TE's fused MoE block (--block), and bounded buffers with the layer fallback over XLA's exchange in two
+    hops (--fallback); their JSONs, summarised (passed when all passed)."""
     if not kit.ep:
         return {"status": "skipped", "reason": "NCCL EP is checked with --ep N (N >= 2 GPUs)"}
     if kit.te_missing:
@@ -155,8 +156,9 @@ def check_ep(kit: Kit) -> dict:
         if "LAUNCH_MODULE" not in f.read():
             return {"status": "error", "error": "scripts/launch.sh starts MaxText.train only (no LAUNCH_MODULE); "
                                                 "it cannot start MaxText.benchmarks.ep_check"}
-    results = {name: _launch_ep_check(kit, launch, suffix, args)
-               for name, suffix, args in (("nccl_ep", ".ep.json", []), ("te_moe_block", ".ep_block.json", ["--block"]))}
+    runs = (("nccl_ep", ".ep.json", []), ("te_moe_block", ".ep_block.json", ["--block"]),
+            ("fallback_xla_exchange", ".ep_fallback.json", ["--fallback"]))
+    results = {name: _launch_ep_check(kit, launch, suffix, args) for name, suffix, args in runs}
     statuses = {r["status"] for r in results.values()}
     status = "error" if "error" in statuses else "failed" if "failed" in statuses else "passed"
     return {"status": status, **results}
