@@ -42,11 +42,11 @@ def _results(cfg, mesh, batch) -> dict:
         return {name: jax.device_get(run(batch, jnp.asarray(bias, jnp.float32))) for name, bias in ROUTINGS.items()}
 
 
-LAYER_CASES = {  # name -> (mesh, overrides, also run the bounded program without a fallback)
-    "ragged data2_expert4, 2 chunks": ("data2_expert4", ["moe_impl=ragged", "num_moe_token_chunks=2"], True),
-    "te_dropless (reference) expert8": ("expert8", ["moe_impl=te_dropless", "te_kernels=reference"], False),
+# (te_dropless's own exchange under a fallback, with TE's kernels: test_te_dropless_takes_the_layer_fallback_...)
+LAYER_CASES = {  # name -> (mesh, overrides)
+    "ragged data2_expert4, 2 chunks": ("data2_expert4", ["moe_impl=ragged", "num_moe_token_chunks=2"]),
     # all-to-one (experts 2 and 3, one slice) fits hop 1 (a row per token to that slice) and overflows hop 2 only
-    "ragged 2 slices x expert4, two hops": ("two_slices", ["moe_impl=ragged"], True),
+    "ragged 2 slices x expert4, two hops": ("two_slices", ["moe_impl=ragged"]),
 }
 LAYER_MESHES = {**trace_tests.MESHES, "two_slices": (MESHES["two_slices_expert4_two_hops"], 8)}
 
@@ -56,13 +56,11 @@ def test_layer_fallback_gives_the_worst_case_buffers_results(case):
     """ragged_buffer_factor=2 with moe_dropless_fallback=layer against the worst-case buffers: the same loss, every
     gradient and statistic, nothing dropped; a layer takes its worst-case branch exactly when its bounded buffers would
     have overflowed (all-to-one routing makes all of them do)."""
-    mesh_name, overrides, bounded_too = LAYER_CASES[case]
+    mesh_name, overrides = LAYER_CASES[case]
     mesh_args, devices = LAYER_MESHES[mesh_name]
     base = [*MODEL, *mesh_args, *overrides]
-    cfgs = {"worst": tiny_config(*base),
+    cfgs = {"worst": tiny_config(*base), "bounded": tiny_config(*base, "ragged_buffer_factor=2.0"),
             "layer": tiny_config(*base, "ragged_buffer_factor=2.0", "moe_dropless_fallback=layer")}
-    if bounded_too:
-        cfgs["bounded"] = tiny_config(*base, "ragged_buffer_factor=2.0")
     mesh = sharding.create_mesh(cfgs["worst"], jax.devices()[:devices])
     batch = _batch(devices * 2, cfgs["worst"].max_target_length, cfgs["worst"].vocab_size, mesh)
     got = {name: _results(cfg, mesh, batch) for name, cfg in cfgs.items()}
@@ -79,12 +77,11 @@ def test_layer_fallback_gives_the_worst_case_buffers_results(case):
             np.testing.assert_allclose(stats["load_E"], want[1][part]["load_E"], err_msg=f"{label}: {part} load")
             if routing == "all_to_one":
                 assert np.all(took == 1), f"{label}: {part} layers took no worst-case branch: {took}"
-            if bounded_too:
-                would = np.asarray(got["bounded"][routing][1][part]["overflow"]) > 0
-                np.testing.assert_array_equal(took == 1, would, err_msg=f"{label}: {part}: fallback iff overflow")
-        if bounded_too:  # the cases: all layers overflow under all-to-one, not all as initialised
-            over = np.concatenate([np.asarray(got["bounded"][routing][1][p]["overflow"]) > 0 for p in ("moe", "mtp")])
-            assert np.all(over) == (routing == "all_to_one") and np.any(over), f"{label}: overflowing layers {over}"
+            would = np.asarray(got["bounded"][routing][1][part]["overflow"]) > 0
+            np.testing.assert_array_equal(took == 1, would, err_msg=f"{label}: {part}: fallback iff overflow")
+        # the cases: all layers overflow under all-to-one, some but not all as initialised
+        over = np.concatenate([np.asarray(got["bounded"][routing][1][p]["overflow"]) > 0 for p in ("moe", "mtp")])
+        assert np.all(over) == (routing == "all_to_one") and np.any(over), f"{label}: overflowing layers {over}"
 
 
 @pytest.mark.te_trace
@@ -314,11 +311,16 @@ def test_fallback_keys_are_checked(overrides, match):
 def test_upstream_spellings_and_nccl_ep_refusal():
     assert tiny_config("moe_dropless_fallback=None").moe_dropless_fallback is None
     assert tiny_config("eval_ragged_buffer_factor=-1").eval_ragged_buffer_factor is None
+    from tests.test_te_block import _config as block_config
+
+    shape = {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
+    block = block_config("none", "fsdp2_expert4", "te_moe_block=true", "ragged_buffer_factor=2",
+                         "moe_dropless_fallback=step")
+    with pytest.raises(ConfigError, match="bootstrapped once per process"):  # TE's block is NCCL EP inside
+        parallel_checks.check_nccl_ep(block, shape)
     cfg = tiny_config("moe_impl=te_dropless", "ragged_buffer_factor=2", "moe_dropless_fallback=layer",
                       "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
-    with pytest.raises(ConfigError, match="bootstrapped once per process"):
-        parallel_checks.check_nccl_ep(cfg, {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1})
-    reference = tiny_config("moe_impl=te_dropless", "te_kernels=reference", "ragged_buffer_factor=2",
-                            "moe_dropless_fallback=layer", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
-    parallel_checks.check_nccl_ep(reference, {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1})
-    assert steptime.layout_from_config(cfg, {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}, 8).fallback == "layer"
+    parallel_checks.check_nccl_ep(cfg, shape)  # the composed path: over XLA's exchange
+    assert not parallel_checks.nccl_ep_used(cfg, shape)
+    layout = steptime.layout_from_config(cfg, shape, 8)
+    assert layout.fallback == "layer" and layout.dispatch_per == "gpu"

@@ -33,8 +33,7 @@ MESHES = {
 }
 # Keys of the dropless EP path that ragged and te_dropless's reference share (ep.ExpertParallel,
 # the chunk loop of dropless.moe_ffn): run for ragged alone; dense does not read them.
-RAGGED_ONLY = ("fsdp2_expert4_one_row_per_choice", "expert8_three_token_chunks")
-DROPLESS_ONLY = ("two_slices_expert4_two_hops",)  # an exchange only the dropless impls have: both run it
+RAGGED_ONLY = ("fsdp2_expert4_one_row_per_choice", "expert8_three_token_chunks", "two_slices_expert4_two_hops")
 
 
 def _routing_cases():
@@ -106,7 +105,7 @@ def references():
 
 # RAGGED_ONLY meshes exercise the dropless expert-parallel path ragged and te_dropless share: run under ragged.
 IMPL_MESHES = [(impl, mesh) for mesh in MESHES for impl in ("dense", "ragged", "te_dropless")
-               if (impl == "ragged" or mesh not in RAGGED_ONLY) and (impl != "dense" or mesh not in DROPLESS_ONLY)]
+               if impl == "ragged" or mesh not in RAGGED_ONLY]
 
 
 @pytest.mark.parametrize("impl, mesh_name", IMPL_MESHES, ids=[f"{mesh}-{impl}" for impl, mesh in IMPL_MESHES])
