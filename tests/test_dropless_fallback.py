@@ -324,3 +324,24 @@ def test_upstream_spellings_and_nccl_ep_refusal():
     assert not parallel_checks.nccl_ep_used(cfg, shape)
     layout = steptime.layout_from_config(cfg, shape, 8)
     assert layout.fallback == "layer" and layout.dispatch_per == "gpu"
+
+
+@pytest.mark.parametrize("recipe", ["deepseek3-671b-gb200-128.yml", "deepseek3-671b-h100-256.yml"])
+def test_each_recipes_drop_nothing_layout_plans_as_its_header_says(recipe):
+    """The recipes keep NCCL EP with a counted overflow (the fastest by the model); each header gives the overrides
+    that drop nothing (a fallback) and their modelled tokens/s/GPU, which the planner reproduces, fitting."""
+    import os
+    import re
+
+    from MaxText.config.load import load_config
+    from MaxText.config.parse import CONFIG_DIR
+
+    path = os.path.join(CONFIG_DIR, "gpu", recipe)
+    header = " ".join(line[1:].strip() for line in open(path) if line.startswith("#"))
+    said = re.search(r"To drop nothing(.*?)(\d+) tokens/s/GPU", header)
+    assert said, f"{recipe}: no 'To drop nothing ... N tokens/s/GPU' in its comments"
+    overrides = re.findall(r"\b(\w+=[\w.]+)", said.group(1))
+    assert "moe_dropless_fallback=layer" in overrides, overrides
+    got = plan.plan(load_config([path, *overrides]))
+    assert got["verdict"] == "fits" and round(got["step_time"]["tokens_per_s_per_gpu"]) == int(said.group(2)), (
+        overrides, got["verdict"], got["step_time"]["tokens_per_s_per_gpu"])
