@@ -14,7 +14,9 @@
 #                 te_kernels=reference and the float32 per-expert loop; its table goes to <json>.ep.json; then
 #                 TE's fused MoE block (te_moe_block=true, ep_check --block) against the float32 loop beside the
 #                 composed path (<json>.ep_block.json); then bounded buffers with moe_dropless_fallback=layer
-#                 over XLA's exchange, two hops (ep_check --fallback, <json>.ep_fallback.json)
+#                 over XLA's exchange, two hops (ep_check --fallback, <json>.ep_fallback.json); then the step of a
+#                 4-layer model on NCCL EP timed with the batch whole and in 2 parts (use_batch_split_schedule: the
+#                 exchange overlap the model credits; MaxText.benchmarks.train_step, <json>.ep_split.json)
 #   impls_agree   a tiny DeepSeek-style model trained a few steps with te_dropless and with ragged: same losses
 #   batch_split   a 4-layer MoE model trained the same steps with the batch whole and in 2 parts
 #                 (use_batch_split_schedule): same losses, and the step time each (what the split costs on one GPU)
@@ -30,7 +32,7 @@
 # without, and stops (exit 2). Without Transformer Engine the TE checks (TE's kernel tests, ep) are reported as
 # skipped (with the reason) and te_dropless runs its reference kernels; pip install "transformer-engine[jax]>=2.20"
 # (or use the container, or carry TE as the GPU kit does) to check them too.
-# Budget: under 8 minutes on one H100/H200; --ep adds three times N processes' start-up and three
+# Budget: under 8 minutes on one H100/H200; --ep adds four times N processes' start-up and three
 # compiles each (not yet measured; the part is stopped after 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -188,3 +188,29 @@ def test_the_batch_split_part_runs_on_cpu_and_fails_on_different_losses(monkeypa
 
     monkeypatch.setattr(gpu_check.train_step, "measure", shifted)
     assert gpu_check.check_batch_split(kit)["status"] == "failed"
+
+
+def test_the_ep_parts_split_timing_is_a_nccl_ep_config_and_its_report_reads(monkeypatch):
+    """--ep N's fourth launch: train_step over N processes with the batch whole and in 2 parts on NCCL EP. Its
+    arguments make a config NCCL EP takes on N GPUs (each variant); a measured report becomes one line per variant
+    beside the checks' lines."""
+    from MaxText.config.load import load_config
+    from MaxText.parallel import checks
+
+    kit = gpu_check.Kit(te_missing=None, smoke=False, tmp="/tmp", ep=4, json="gc.json")
+    args = gpu_check.split_timing_args(kit)
+    overrides = args[1:args.index("--steps")]
+    impls = args[args.index("--impls") + 1].split(",")
+    for entry in impls:
+        impl, *own = entry.split(":")
+        cfg = load_config([args[0], *overrides, f"moe_impl={impl}", *own])
+        shape = {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}
+        assert checks.nccl_ep_used(cfg, shape) and cfg.num_experts == 32, entry
+        checks.check_nccl_ep(cfg, shape)
+    row = {"impl": "te_dropless", "step_s": 0.5, "tflops_per_device": 400.0, "loss": 10.0}
+    measured = {"status": "measured", "ranks": 4, "report_path": "gc.ep_split.json",
+                "report": {"status": "measured", "rows": [row, {**row, "impl": impls[1], "step_s": 0.4}]}}
+    lines = gpu_check.part_lines("ep", {"status": "passed", "batch_split_timing": measured,
+                                        "nccl_ep": {"status": "error", "error": "timed out"}})
+    assert lines[0].startswith("batch_split_timing: 4 GPUs, te_dropless: step 500.00 ms"), lines
+    assert "batch_split_factor=2: step 400.00 ms" in lines[1] and lines[2] == "nccl_ep: error: timed out", lines

@@ -159,16 +159,32 @@ def check_ep(kit: Kit) -> dict:
     runs = (("nccl_ep", ".ep.json", []), ("te_moe_block", ".ep_block.json", ["--block"]),
             ("fallback_xla_exchange", ".ep_fallback.json", ["--fallback"]))
     results = {name: _launch_ep_check(kit, launch, suffix, args) for name, suffix, args in runs}
+    # the step with NCCL EP on the N GPUs, the batch whole and in 2 parts (one part's exchange under the other's
+    # compute): the overlap the model credits, timed (MaxText.benchmarks.train_step, process 0's report)
+    results["batch_split_timing"] = _launch_ep_check(kit, launch, ".ep_split.json", split_timing_args(kit),
+                                                     module="MaxText.benchmarks.train_step")
     statuses = {r["status"] for r in results.values()}
     status = "error" if "error" in statuses else "failed" if "failed" in statuses else "passed"
     return {"status": status, **results}
 
 
-def _launch_ep_check(kit: Kit, launch: str, suffix: str, args: list) -> dict:
+def split_timing_args(kit: Kit) -> list:
+    """train_step's arguments for the batch_split timing on kit.ep GPUs: a 4-layer DeepSeek-style model on NCCL EP
+    (all GPUs on `expert`, 8 experts each), the step with the batch whole and in 2 parts."""
+    model = ["base_num_decoder_layers=4", "first_num_dense_layers=1", "base_emb_dim=2048", "base_num_query_heads=16",
+             "base_num_kv_heads=8", "head_dim=128", "base_mlp_dim=8192", "base_moe_mlp_dim=1024",
+             f"num_experts={8 * kit.ep}", "num_experts_per_tok=8", "vocab_size=32768", "max_target_length=4096",
+             "per_device_batch_size=4", "dtype=bfloat16", "attention=cudnn_flash", "hardware=gpu_multiprocess",
+             "ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"]
+    return ["configs/base.yml", *model, "--steps", "10", "--warmup", "2",
+            "--impls", "te_dropless,te_dropless:use_batch_split_schedule=true:batch_split_factor=2"]
+
+
+def _launch_ep_check(kit: Kit, launch: str, suffix: str, args: list, module: str = "MaxText.benchmarks.ep_check"):
     report_path = os.path.splitext(kit.json)[0] + suffix
     if os.path.exists(report_path):
         os.remove(report_path)  # never read a previous run's report
-    env = subprocess_env(LAUNCH_MODULE="MaxText.benchmarks.ep_check", PYTHON=sys.executable, JAX_PLATFORMS="")
+    env = subprocess_env(LAUNCH_MODULE=module, PYTHON=sys.executable, JAX_PLATFORMS="")
     rc, out, timed_out = run_subprocess(["bash", launch, "--local", str(kit.ep), "--json", report_path, *args], env,
                                         EP_TIMEOUT_S)
     result = {"ranks": kit.ep, "report_path": report_path, "output_tail": out[-4000:]}
@@ -180,7 +196,7 @@ def _launch_ep_check(kit: Kit, launch: str, suffix: str, args: list) -> dict:
         report = json.load(f)
     if report["status"] == "error":
         return {**result, "status": "error", "error": report["error"]}
-    if report["status"] == "passed" and rc != 0:
+    if report["status"] in ("passed", "measured") and rc != 0:
         return {**result, "status": "error", "report": report,
                 "error": f"process 0 passed but a process exited with code {rc}; last line: {last_line(out)}"}
     return {**result, "status": report["status"], "report": report,
@@ -344,9 +360,13 @@ def run_part(part, kit: Kit) -> dict:
 
 
 def _ep_lines(check: str, r: dict) -> list[str]:
-    """One ep_check run's lines: its worst error of the path under test, what fell out of tolerance, its table."""
+    """One ep_check run's lines: its worst error of the path under test, what fell out of tolerance, its table (a
+    train_step timing: each variant's step time)."""
     if "report" not in r:
         return [f"{check}: {r['status']}: {r.get('error', '')}"]
+    if r["report"]["status"] == "measured":
+        return [f"{check}: {r['ranks']} GPUs, {row['impl']}: step {row['step_s'] * 1e3:.2f} ms, "
+                f"{row['tflops_per_device']:.3g} TFLOP/s/GPU, loss {row['loss']:.5f}" for row in r["report"]["rows"]]
     rows, column = r["report"]["rows"], r["report"].get("columns", ["te_dropless"])[0]
     worst = max(rows, key=lambda row: row["te_vs_float32"] / row["tolerance"] if row["tolerance"] else 0.0)
     bad = [f"{row['routing']}/{row['quantity']}" for row in rows if not row["ok"]]
@@ -360,7 +380,7 @@ def part_lines(name: str, r: dict) -> list[str]:
     if name == "kernels":
         return [r["summary"]] + r["details"]
     if name == "ep":
-        return [line for check in ("nccl_ep", "te_moe_block") if check in r for line in _ep_lines(check, r[check])]
+        return [line for check, run in r.items() if isinstance(run, dict) for line in _ep_lines(check, run)]
     if name == "impls_agree":
         return [f"te_dropless ({r['kernels']}) vs ragged on deepseek3-tiny: max relative loss difference "
                 f"{r['max_relative_difference']:.2e} (tolerance {r['tolerance']:.0e})"]

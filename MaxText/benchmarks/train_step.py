@@ -11,7 +11,8 @@ time (compile seconds and XLA's temporary-buffer bytes are reported), run `--war
 times back to back; step time is the wall time of those steps / steps, after the last one has finished.
 Tokens/s/device, model TFLOP/s/device and MFU (against the device's bf16 peak, MaxText/planning/flops.py) follow
 from it. `te_dropless` runs its pure-JAX reference kernels where there is no NVIDIA GPU (marked so).
-Prints a table and one JSON line; never part of the test suite's timing.
+Prints a table and one JSON line (process 0 of a multi-process job: scripts/launch.sh with
+LAUNCH_MODULE=MaxText.benchmarks.train_step); never part of the test suite's timing.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from MaxText.planning import flops
 from MaxText.parallel import sharding
 from MaxText.benchmarks import emit
 from MaxText.config.errors import ConfigError
-from MaxText.config.load import global_batch_size, load_config
+from MaxText.config.load import apply_xla_flags, global_batch_size, load_config
 from MaxText.data.synthetic import SyntheticData
 from MaxText.layers.moe.te_runtime import check_available, moe_runtime
+from MaxText.parallel.distributed import maybe_initialize_distributed
 from MaxText.step.state import create_state, state_spec
 from MaxText.step.train_step import jit_train_step
 
@@ -89,6 +91,13 @@ def main(argv=None) -> dict | int:
     p.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
     a = p.parse_args(argv)
+    try:
+        base = load_config([a.config, *a.overrides])
+        apply_xla_flags(base)  # before anything starts JAX's backend
+        maybe_initialize_distributed(base)  # one process per GPU (scripts/launch.sh): jax.distributed
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     on_nvidia = jax.default_backend() == "gpu"
     rows = []
     try:
@@ -104,11 +113,12 @@ def main(argv=None) -> dict | int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = {"config": a.config, "overrides": a.overrides, "steps": a.steps, "warmup": a.warmup,
-              "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+    result = {"status": "measured", "config": a.config, "overrides": a.overrides, "steps": a.steps,
+              "warmup": a.warmup, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "devices": rows[0]["devices"], "tokens_per_step": rows[0]["tokens_per_step"], "rows": rows}
-    print(format_table(result))
-    emit(result, a.json)
+    if jax.process_index() == 0:  # one table and one report per job, whatever its processes
+        print(format_table(result))
+        emit(result, a.json)
     return result
 
 
