@@ -119,8 +119,8 @@ def test_ep_check_traces_and_partitions_the_nccl_ep_layer(te_standin):
 def test_ep_check_fallback_dry_run_on_two_slices():
     """ep_check --fallback's configuration on the 8 CPU devices (2 slices of 4, two hops, ragged_buffer_factor=1,
     the layer fallback) with the reference kernels in TE's place: every routing within tolerance, nothing
-    overflowing although all-to-one routing sends every token's first choice to one GPU: 8x its bounded buffer (the
-    same buffers without the fallback overflow: test_ep_check_dry_run_with_reference_kernels, one slice)."""
+    overflowing although all-to-one routing sends every token's first choice to one GPU, far past its bounded buffer
+    (the same buffers without the fallback overflow: test_ep_check_dry_run_with_reference_kernels, one slice)."""
     extra = ep_check.fallback_overrides(jax.device_count())
     assert "ep_two_hop=true" in extra
     cfg = ep_check.layer_config(EP_PROBLEM, jax.device_count(), "reference", *extra)
