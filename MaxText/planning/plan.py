@@ -177,8 +177,8 @@ def dispatch_rows(cfg, t: int, ep: int) -> int:
     if nccl_ep_used(cfg, {"expert": ep}):
         return moe_rows(cfg, t, ep)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    if two_hop_node(cfg, ep):  # both hops' receive buffers: a row per (token, slice), then per (row, device)
-        node = two_hop_node(cfg, ep)
+    node = two_hop_node(cfg, ep)
+    if node:  # both hops' receive buffers: a row per (token, slice), then per (row, device)
         first, second = hop_capacities(t, k, e, e // ep, node, cfg.ragged_buffer_factor)
         return (ep // node) * first.rows + node * second.rows
     return ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor, cfg.ep_dedup).rows
@@ -199,8 +199,8 @@ def moe_rows(cfg, t: int, ep: int) -> int:
         return (t // s) * e * dense_moe.capacity(s, e, k, cfg.capacity_factor)
     # Under EP: the slots the peers may send (NCCL EP's receive capacity alike), however many rows carry them.
     rows = t * k if ep == 1 else ep * peer_capacity(t, k, e, e // ep, cfg.ragged_buffer_factor).slots
-    if two_hop_node(cfg, ep):  # the relays of the device's slice may send it so many
-        node = two_hop_node(cfg, ep)
+    node = two_hop_node(cfg, ep)
+    if node:  # the relays of the device's slice may send it so many
         rows = node * hop_capacities(t, k, e, e // ep, node, cfg.ragged_buffer_factor)[1].slots
     return aligned_buffer_rows(rows, e // ep) if cfg.moe_impl == "te_dropless" else rows
 

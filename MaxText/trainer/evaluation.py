@@ -39,7 +39,7 @@ class Evaluator:
         local = [next(data) for _ in range(cfg.eval_steps)] if cfg.eval_steps != -1 else whole_split(data)
         self.batches = [jax.make_array_from_process_local_data(batch_sharding, batch) for batch in local]
         bounded = with_buffer(cfg, cfg.eval_ragged_buffer_factor or cfg.ragged_buffer_factor)
-        self.step = jit_eval_step(bounded, with_config(spec, bounded), batch_sharding)
+        self.step = jit_eval_step(bounded, spec if bounded is cfg else with_config(spec, bounded), batch_sharding)
         self.worst = None
         if cfg.moe_dropless_fallback == "step" and bounded.ragged_buffer_factor is not None:
             worst = with_buffer(cfg, None)

@@ -101,6 +101,27 @@ def rank_rows(experts_TK, weights_TK, num_local_experts: int, num_peers: int, de
     return RankRows(dest_TQ, local_TQJ, weights_TQJ)
 
 
+def row_payload(rows: RankRows) -> jax.Array:
+    """The per-row payload sent beside x, [U, 2J]: the slots' local expert ids as float32 (exact below 2**24) beside
+    their weights, so that one exchange carries both."""
+    u, q, j = rows.local_TQJ.shape
+    return jnp.concatenate([rows.local_TQJ.reshape(u * q, j).astype(jnp.float32),
+                            rows.weights_TQJ.reshape(u * q, j).astype(jnp.float32)], axis=1)
+
+
+def received_pairs(payload_XW, j: int, none: int) -> Selection:
+    """The (local expert id, weight) pairs each received row carries; empty pairs hold id `none` and weight 0."""
+    ids_XJ = payload_XW[:, :j].astype(jnp.int32)
+    return Selection(ids_XJ, jnp.where(ids_XJ < none, payload_XW[:, j:], 0.0))
+
+
+def sum_rows(back_UD, rows_per: int, dtype):
+    """Each source's returning rows (rows_per of them, in order) added up in float32, in `dtype`."""
+    u = back_UD.shape[0] // rows_per
+    with jax.named_scope("moe_combine"):
+        return jnp.sum(back_UD.reshape(u, rows_per, -1).astype(jnp.float32), axis=1).astype(dtype)
+
+
 def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
@@ -218,23 +239,15 @@ class ExpertParallel(NamedTuple):
         rows = rank_rows(experts_TK, weights_TK, e_local, n, self.dedup)
         q, j = rows.local_TQJ.shape[1:]
         slots_U = jnp.sum(rows.local_TQJ < e_local, axis=2).reshape(-1)
-        # One exchange for both payloads: the ids travel as float32 (exact below 2**24), beside the weights.
-        payload_UW = jnp.concatenate([rows.local_TQJ.reshape(t * q, j).astype(jnp.float32),
-                                      rows.weights_TQJ.reshape(t * q, j).astype(jnp.float32)], axis=1)
         capacity = peer_capacity(t, k, self.num_experts, e_local, self.buffer_factor, self.dedup)
-        ex = send_rows(x_TD, rows.dest_TQ.reshape(-1), payload_UW, slots_U, rows_per_token=q, num_peers=n,
+        ex = send_rows(x_TD, rows.dest_TQ.reshape(-1), row_payload(rows), slots_U, rows_per_token=q, num_peers=n,
                        axis_name=self.axis_name, capacity=capacity, fill=float(e_local))
         x = ex.x_XD.shape[0]
-        local_XJ = ex.payload_XW[:, :j].astype(jnp.int32)
-        received = Selection(local_XJ, jnp.where(local_XJ < e_local, ex.payload_XW[:, j:], 0.0))
         local = self.local(e_local, max_slots=min(x * j, n * capacity.slots))
-        x_RD, group_sizes_E, local_handle = local.dispatch(ex.x_XD, received)
+        x_RD, group_sizes_E, local_handle = local.dispatch(ex.x_XD, received_pairs(ex.payload_XW, j, e_local))
         overflow = jnp.sum(jnp.where(ex.kept_U, 0, slots_U))
         return x_RD, group_sizes_E, EpHandle(ex, local, local_handle, q, overflow)
 
     def combine(self, y_RD, h: EpHandle):
         y_XD = h.local.combine(y_RD, h.local_handle)
-        back_UD = send_back(y_XD, h.exchange, axis_name=self.axis_name)
-        with jax.named_scope("moe_combine"):
-            t = back_UD.shape[0] // h.rows_per_token
-            return jnp.sum(back_UD.reshape(t, h.rows_per_token, -1).astype(jnp.float32), axis=1).astype(y_RD.dtype)
+        return sum_rows(send_back(y_XD, h.exchange, axis_name=self.axis_name), h.rows_per_token, y_RD.dtype)

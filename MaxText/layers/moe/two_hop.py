@@ -28,8 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from MaxText.layers.moe.dispatch import Selection
-from MaxText.layers.moe.ep import Capacity, Exchange, peer_capacity, rank_rows, send_back, send_rows
+from MaxText.layers.moe.ep import (Capacity, Exchange, peer_capacity, rank_rows, received_pairs, row_payload, send_back,
+                                  send_rows, sum_rows)
 
 
 class TwoHopHandle(NamedTuple):
@@ -52,19 +52,6 @@ def hop_capacities(tokens: int, top_k: int, num_experts: int, num_local_experts:
     if factor is not None:
         slots = max(1, min(slots, math.ceil(tokens * top_k / node * factor)))
     return first, Capacity(min(received, slots), slots)
-
-
-def _pairs(payload_XW, j: int, none: int) -> Selection:
-    """The (expert id, weight) pairs a received row carries; empty pairs hold id `none` and weight 0."""
-    ids_XJ = payload_XW[:, :j].astype(jnp.int32)
-    return Selection(ids_XJ, jnp.where(ids_XJ < none, payload_XW[:, j:], 0.0))
-
-
-def _payload(rows) -> jax.Array:
-    """A hop's per-row payload: the ids (float32, exact below 2**24) beside the weights, one exchange for both."""
-    u, q, j = rows.local_TQJ.shape
-    return jnp.concatenate([rows.local_TQJ.reshape(u * q, j).astype(jnp.float32),
-                            rows.weights_TQJ.reshape(u * q, j).astype(jnp.float32)], axis=1)
 
 
 class TwoHop(NamedTuple):
@@ -91,31 +78,31 @@ class TwoHop(NamedTuple):
             q1, j1 = rows.local_TQJ.shape[1:]
             slots_U = jnp.sum(rows.local_TQJ < per_slice, axis=2).reshape(-1)
             dest_U = jnp.where(rows.dest_TQ < nodes, rows.dest_TQ * self.node + my_position, n).reshape(-1)
-            first = send_rows(x_TD, dest_U, _payload(rows), slots_U, rows_per_token=q1, num_peers=n,
+            first = send_rows(x_TD, dest_U, row_payload(rows), slots_U, rows_per_token=q1, num_peers=n,
                               axis_name=self.axis_name, capacity=first_cap, fill=float(per_slice), senders=nodes)
             lost = jnp.sum(jnp.where(first.kept_U, 0, slots_U))
         with jax.named_scope("hop2"):
-            pairs = _pairs(first.payload_XW, j1, per_slice)
+            pairs = received_pairs(first.payload_XW, j1, per_slice)
             rows = rank_rows(pairs.experts_TK, pairs.weights_TK, self.num_local_experts, self.node, True)
             q2, j2 = rows.local_TQJ.shape[1:]
             # a row of empty pairs (a buffer's padding, a row's unused pairs) has no destination and no slot
             slots_U = jnp.where(rows.dest_TQ < self.node, jnp.sum(rows.local_TQJ < self.num_local_experts, axis=2),
                                 0).reshape(-1)
             dest_U = jnp.where(rows.dest_TQ < self.node, my_slice * self.node + rows.dest_TQ, n).reshape(-1)
-            second = send_rows(first.x_XD, dest_U, _payload(rows), slots_U, rows_per_token=q2, num_peers=n,
+            second = send_rows(first.x_XD, dest_U, row_payload(rows), slots_U, rows_per_token=q2, num_peers=n,
                                axis_name=self.axis_name, capacity=second_cap, fill=float(self.num_local_experts),
                                senders=self.node)
             lost = lost + jnp.sum(jnp.where(second.kept_U, 0, slots_U))
         x = second.x_XD.shape[0]
         local = self.local(self.num_local_experts, max_slots=min(x * j2, self.node * second_cap.slots))
         x_RD, group_sizes_E, local_handle = local.dispatch(second.x_XD,
-                                                           _pairs(second.payload_XW, j2, self.num_local_experts))
+                                                           received_pairs(second.payload_XW, j2, self.num_local_experts))
         return x_RD, group_sizes_E, TwoHopHandle(first, second, local, local_handle, q1, q2, lost)
 
     def combine(self, y_RD, h: TwoHopHandle):
         y_XD = h.local.combine(y_RD, h.local_handle)
-        y_X1D = _sum_rows(send_back(y_XD, h.second, axis_name=self.axis_name), h.rows_per_row, y_RD.dtype)
-        return _sum_rows(send_back(y_X1D, h.first, axis_name=self.axis_name), h.rows_per_token, y_RD.dtype)
+        y_X1D = sum_rows(send_back(y_XD, h.second, axis_name=self.axis_name), h.rows_per_row, y_RD.dtype)
+        return sum_rows(send_back(y_X1D, h.first, axis_name=self.axis_name), h.rows_per_token, y_RD.dtype)
 
     def overflows(self, routing):
         """Whether this device's rows would overflow a hop's budget, from the routing alone: hop 1 from its tokens;
@@ -135,9 +122,3 @@ class TwoHop(NamedTuple):
         relay = counts.reshape(nodes, self.node, 2, nodes, self.node).sum(0)  # [position, 2, slice, device]
         return over | jnp.any(relay[:, 0] > second_cap.rows) | jnp.any(relay[:, 1] > second_cap.slots)
 
-
-def _sum_rows(back_UD, rows_per: int, dtype):
-    """Each source row's returning rows (rows_per of them, in order) added up in float32."""
-    u = back_UD.shape[0] // rows_per
-    with jax.named_scope("moe_combine"):
-        return jnp.sum(back_UD.reshape(u, rows_per, -1).astype(jnp.float32), axis=1).astype(dtype)
