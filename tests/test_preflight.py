@@ -57,6 +57,9 @@ def test_every_gpu_recipe_passes(recipe):
     ("mxfp8 dense GEMMs on Hopper", ["gpu_profile=h100-sxm", "te_gmm_quantization=fp8_current",
                                      "quantization=te_mxfp8"], "quantization",
      "quantization=te_mxfp8 needs a Blackwell GPU"),
+    ("nvfp4 dense GEMMs on Hopper", ["gpu_profile=h100-sxm", "te_gmm_quantization=fp8_current",
+                                     "quantization=te_nvfp4"], "quantization",
+     "quantization=te_nvfp4 needs a Blackwell GPU"),
     ("partial hosts", ["num_devices=126"], "devices", "use a multiple of 4"),
     ("no profile", ["gpu_profile=null"], "profile", "set gpu_profile"),
 ])
@@ -261,3 +264,21 @@ def test_the_full_scale_lowering_holds_tes_ops_in_the_expected_counts(block):
     if not block:  # quantization=none: no dense GEMM through TE, the routed experts' as they were
         bf16 = _lowered(recipe, "remat_policy=none", "quantization=none")["te_ops"]
         assert "te_gemm_v2" not in bf16 and bf16["te_grouped_gemm"] == ops["te_grouped_gemm"], bf16
+
+
+def test_the_full_scale_nvfp4_lowering_holds_tes_quantizes_in_the_expected_counts():
+    """quantization=te_nvfp4 on NVIDIA's GB200 recipe at full scale: the same 72 dense GEMMs through TE, each of the
+    24 quantizing its input, weight and output gradient (72 quantizes), and the Hadamard transform's amax for the
+    weight gradient's two operands of every GEMM whose widths are multiples of 128: 7 of each body's 8 (MLA's
+    key-value down-projection, 7168 -> 576, runs without it, as the run's first lines say)."""
+    from MaxText.config import checks
+    from MaxText.config.load import load_config
+
+    recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-nvidia-gb200-128.yml")
+    result = _lowered(recipe, "remat_policy=none", "quantization=te_nvfp4")
+    assert result["ok"], result
+    ops, bodies = result["te_ops"], 3
+    assert checks.nvfp4_without_rht(load_config([recipe, "quantization=te_nvfp4"])) == [
+        "MLA's key-value down-projection"]
+    assert ops["te_gemm_v2"] == 3 * bodies * 8 and ops["te_dbias_quantize"] == 3 * bodies * 8, ops
+    assert ops["te_rht_amax"] == 2 * bodies * 7, ops

@@ -209,17 +209,20 @@ def test_plan_times_a_lowerings_collectives_group_by_group(tmp_path, capsys):
     assert err.startswith(f"error: --collectives={path}: not the JSON") and "\n" not in err, err
 
 
-def test_quantization_speeds_up_the_quantizable_dense_gemms_only():
-    """`quantization` puts the attention projections, dense MLPs and shared experts in FP8, not the router, the
-    output heads or MTP's projection: the dense GEMM term drops by exactly that share's FP8 speed-up, the rest of
-    the step is modelled as before."""
+@pytest.mark.parametrize("quantization", ["te_fp8_currentscaling", "te_nvfp4"])
+def test_quantization_speeds_up_the_quantizable_dense_gemms_only(quantization):
+    """`quantization` puts the attention projections, dense MLPs and shared experts in FP8 (NVFP4), not the router,
+    the output heads or MTP's projection: the dense GEMM term drops by exactly that share's FP8 (FP4) speed-up, the
+    rest of the step is modelled as before."""
     cfg = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml"])
-    fp8 = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml", "quantization=te_fp8_currentscaling"])
+    quantized = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml", f"quantization={quantization}"])
     m = steptime.Model.from_config(cfg, 671e9)
     assert 0.5 * m.dense_gemm_flops < m.quantizable_gemm_flops < m.dense_gemm_flops, m
-    before, after = (plan.plan(c)["step_time"] for c in (cfg, fp8))
+    before, after = (plan.plan(c)["step_time"] for c in (cfg, quantized))
     hw = steptime.HARDWARE["gb200"]
-    speedup = 1 - hw.bf16_tflops / (hw.fp8_tflops * steptime.FP8_GEMM_FACTOR)
+    rate = (hw.fp4_tflops * steptime.FP4_GEMM_FACTOR if quantization == "te_nvfp4"
+            else hw.fp8_tflops * steptime.FP8_GEMM_FACTOR)
+    speedup = 1 - hw.bf16_tflops / rate
     saved = before["compute_s"]["dense_gemm"] - after["compute_s"]["dense_gemm"]
     assert saved == pytest.approx(before["compute_s"]["dense_gemm"] * m.quantizable_gemm_flops / m.dense_gemm_flops
                                   * speedup, rel=1e-6)

@@ -137,7 +137,6 @@ def test_upstream_values_mean_what_they_mean_upstream(argv, key, want):
     (["opt_type=muon"], "only adamw is built here"),
     (["remat_policy=minimal_with_quantization"], "it names AQT's quantized tensors"),
     (["quantization=te_fp8_delayedscaling"], "delayed scaling keeps an amax history per GEMM"),
-    (["quantization=te_nvfp4"], "NVFP4 GEMMs have no CPU reference here yet"),
     (["quantization=int8"], "AQT / Qwix quantization (upstream's non-TE recipes) is not built here"),
     (["eval_steps=-1", "dataset_type=synthetic", "eval_interval=10"], "synthetic data has none"),
     (["base_moe_mlp_dim=-1"], "base_moe_mlp_dim=-1 must be at least 1"),

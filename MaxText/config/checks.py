@@ -140,15 +140,29 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
     return out
 
 
+def nvfp4_without_rht(cfg) -> list[str]:
+    """The dense GEMMs te_nvfp4 runs without its Hadamard transform (widths not multiples of 128:
+    linear.nvfp4_rht), for the run's first lines; [] for any other quantization."""
+    from MaxText.layers.linear import nvfp4_rht  # noqa: PLC0415  (the layers import this module)
+
+    if cfg.quantization != "te_nvfp4":
+        return []
+    return [name for name, weight in dense_weights(cfg).items() if not nvfp4_rht(cfg.quantization, *weight.widths)]
+
+
 def check_quantized_gemms(cfg) -> None:
     """What TE's quantized GEMMs need of every dense GEMM's widths (each is contracted in one pass or another):
-    multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks); likewise the tokens of one device's
-    micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length (TE blocks the
-    activations' second dim). Each weight is gathered whole before TE quantizes it (linear.gathered)."""
+    multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks) and NVFP4 (cuBLAS); likewise the
+    tokens of one device's micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length
+    (TE blocks the activations' second dim), for NVFP4 both multiples of 64. Each weight is gathered whole before
+    TE quantizes it (linear.gathered). te_nvfp4's Hadamard transform needs widths that are multiples of 128 as
+    well: a GEMM whose widths are not runs without it (linear.nvfp4_rht; the run's first lines name it)."""
     if cfg.quantization == "none":
         return
-    align = 32 if cfg.quantization == "te_mxfp8" else 16
-    why = "MXFP8 scales blocks of 32" if align == 32 else "cuBLAS's FP8 GEMMs contract multiples of 16"
+    nvfp4 = cfg.quantization.startswith("te_nvfp4")
+    align = 32 if cfg.quantization == "te_mxfp8" or nvfp4 else 16
+    why = ("cuBLAS's NVFP4 GEMMs contract multiples of 32" if nvfp4 else "MXFP8 scales blocks of 32" if align == 32
+           else "cuBLAS's FP8 GEMMs contract multiples of 16")
     for name, weight in dense_weights(cfg).items():
         width_in, width_out = weight.widths
         if width_in % align or width_out % align:
@@ -156,6 +170,11 @@ def check_quantized_gemms(cfg) -> None:
                               f"(set by {weight.keys}); use widths that are multiples of {align} or "
                               "quantization=none")
     tokens = cfg.per_device_batch_size * cfg.max_target_length / cfg.gradient_accumulation_steps
+    if nvfp4 and (tokens % 64 or cfg.max_target_length % 64):
+        raise ConfigError(f"quantization={cfg.quantization}: a device's micro-batch holds {tokens:g} tokens "
+                          f"(per_device_batch_size x max_target_length / gradient_accumulation_steps) of sequences "
+                          f"of {cfg.max_target_length}: TE's NVFP4 copies block the tokens by 16 in scale tiles of "
+                          "4 blocks, and its Hadamard transform takes 64 rows at a time; make both multiples of 64")
     if tokens % align or (align == 32 and cfg.max_target_length % align):
         raise ConfigError(f"quantization={cfg.quantization}: a device's micro-batch holds {tokens:g} tokens "
                           f"(per_device_batch_size x max_target_length / gradient_accumulation_steps) of sequences "

@@ -93,9 +93,10 @@ HARDWARE = ("auto", "cpu", "gpu", "gpu_multiprocess")
 DATASET_TYPES = ("tfds", "grain", "hf", "synthetic")
 TE_KERNELS = ("auto", "reference")
 TE_GMM_QUANTIZATIONS = ("none", "fp8_current", "mxfp8")
-QUANTIZATIONS = ("none", "te_fp8_currentscaling", "te_mxfp8")  # upstream's names of TE's recipes
-# quantization -> the te_gmm_quantization of the same TE recipe (te_kernels.quantizer_set's name)
-QUANTIZATION_RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8"}
+QUANTIZATIONS = ("none", "te_fp8_currentscaling", "te_mxfp8", "te_nvfp4", "te_nvfp4_no_rht")  # upstream's names
+# quantization -> te_kernels.quantizer_set's name of the same TE recipe (the first two are te_gmm_quantization's too)
+QUANTIZATION_RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8", "te_nvfp4": "nvfp4",
+                        "te_nvfp4_no_rht": "nvfp4_no_rht"}
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")
@@ -232,8 +233,11 @@ SCHEMA: dict[str, Key] = {
         'te_dropless grouped GEMMs: none (bf16) | fp8_current (Hopper+) | mxfp8 (Blackwell only)'),
     "quantization": Key(str, choices=QUANTIZATIONS, doc=
         'dense GEMMs (attention projections, dense MLPs, shared experts) through TE: none (bf16) | '
-        'te_fp8_currentscaling (SM 8.9+) | te_mxfp8 (Blackwell); the embedding, the output head, the router, '
-        'the norms and the attention core stay in high precision (as DeepSeek-V3 kept them)'),
+        'te_fp8_currentscaling (SM 8.9+) | te_mxfp8 (Blackwell) | te_nvfp4 (Blackwell: NVFP4 with 2D weight '
+        'scales, stochastic rounding of the output gradient, the random Hadamard transform on the weight '
+        'gradient\'s operands where a GEMM\'s widths are multiples of 128) | te_nvfp4_no_rht (the same without the '
+        'transform); the embedding, the output head, the router, the norms and the attention core stay in high '
+        'precision (as DeepSeek-V3 kept them)'),
     "routed_score_func": Key(str, choices=ROUTER_SCORE_FUNCS, doc='softmax | sigmoid (DeepSeek-V3)'),
     "norm_topk_prob": Key(bool, doc='renormalise the k chosen weights to sum to 1 (Mixtral/Qwen3/DeepSeek-V3)'),
     "routed_scaling_factor": Key(float, low=1e-06, doc='multiply the combine weights by this (DeepSeek-V3: 2.5)'),

@@ -325,12 +325,8 @@ REFUSED_VALUES = {
                                                "does not carry in its state or checkpoints; use "
                                                "te_fp8_currentscaling (the same FP8 GEMMs, each scaled by its "
                                                "own amax)",
-    ("quantization", "te_nvfp4"): "NVFP4 GEMMs have no CPU reference here yet (16-element E4M3 block scales, "
-                                  "stochastic rounding), so nothing has checked TE's calls; use te_mxfp8",
-    ("quantization", "te_nvfp4_no_rht"): "NVFP4 GEMMs have no CPU reference here yet (16-element E4M3 block "
-                                         "scales), so nothing has checked TE's calls; use te_mxfp8",
     **{("quantization", value): "AQT / Qwix quantization (upstream's non-TE recipes) is not built here; this "
-                                "trainer quantizes through TE: quantization=te_fp8_currentscaling or te_mxfp8"
+                                "trainer quantizes through TE: quantization=te_fp8_currentscaling, te_mxfp8 or te_nvfp4"
        for value in ("fp4", "int4", "int8", "intmp", "fp8_e5m2", "fp8_e4m3", "fp8", "nanoo_fp8", "fp8_nanoo",
                      "fp8_gpu", "fp8_full", "serve_fp8_weight")},
     ("remat_policy", "minimal_with_quantization"): "it names AQT's quantized tensors, which are not built here: "

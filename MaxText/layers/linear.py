@@ -1,12 +1,17 @@
 """The dense GEMMs of the attention projections, the dense MLPs and the shared experts: one einsum in the
 activation dtype, or, under upstream's `quantization`, Transformer Engine's dense() with that recipe's quantizer
-set (FP8 or MXFP8 operands, forward and both gradients; te_kernels.quantizer_set is the grouped GEMMs' own).
+set (FP8, MXFP8 or NVFP4 operands, forward and both gradients; te_kernels.quantizer_set, the grouped GEMMs' own).
+NVFP4 rounds the output gradient stochastically: inside `stochastic_rounding(key)` (the train step's, a new key
+each step) every GEMM call site draws from its own stream of that key.
 
 Everything else keeps its precision: the embedding, the output head, the router, the norms and the attention
 core (scores, softmax, values) never come here.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +46,37 @@ def gathered(w, logical, rules):
     return jax.lax.with_sharding_constraint(w, P(*kept))
 
 
+_STREAMS: list = []  # [key, call sites drawn so far] of the innermost stochastic_rounding
+
+
+@contextlib.contextmanager
+def stochastic_rounding(key):
+    """Within: each NVFP4 GEMM call site traced rounds its output gradient from its own stream of `key` (JAX's
+    fold-in of the call's number). Outside (evaluation, no gradient): a fixed key."""
+    _STREAMS.append([key, 0])
+    try:
+        yield
+    finally:
+        _STREAMS.pop()
+
+
+def _next_stream():
+    if not _STREAMS:
+        return None
+    _STREAMS[-1][1] += 1
+    return jax.random.fold_in(_STREAMS[-1][0], _STREAMS[-1][1])
+
+
+RHT_WIDTH = 128  # TE's fused Hadamard-transform cast takes matrices whose columns are multiples of 128
+
+
+def nvfp4_rht(quantization: str, width_in: int, width_out: int) -> bool:
+    """Whether a GEMM of these widths takes te_nvfp4's random Hadamard transform: its weight gradient's operands
+    (x and the output gradient, [tokens, width_in] and [tokens, width_out]) must both be RHT'd or neither, and
+    TE's kernel needs their widths to be multiples of 128 (the tokens, of 64: checks.check_quantized_gemms)."""
+    return quantization == "te_nvfp4" and width_in % RHT_WIDTH == 0 and width_out % RHT_WIDTH == 0
+
+
 def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=None):
     """einsum(spec, x, w) with w already in x's dtype and `logical` its logical axes. The contracted dims must be x's
     last and w's first, the output x's free dims then w's (every projection here): what TE's dense() computes in
@@ -48,8 +84,13 @@ def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=No
     if quantization == "none":
         return jnp.einsum(spec, x, w)
     te = import_te()
-    return te["dense"].dense(x, gathered(w, logical, rules), contracting_dims=contracting_dims(spec),
-                             quantizer_set=quantizer_set(te, QUANTIZATION_RECIPES[quantization], 1))
+    dims = contracting_dims(spec)
+    recipe = QUANTIZATION_RECIPES[quantization]
+    if recipe.startswith("nvfp4"):
+        width_in = math.prod(w.shape[i] for i in dims[1])
+        recipe = "nvfp4" if nvfp4_rht(quantization, width_in, w.size // width_in) else "nvfp4_no_rht"
+    return te["dense"].dense(x, gathered(w, logical, rules), contracting_dims=dims,
+                             quantizer_set=quantizer_set(te, recipe, 1, sr_key=_next_stream()))
 
 
 class DenseGemms:

@@ -206,9 +206,10 @@ def moe_rows(cfg, t: int, ep: int) -> int:
 
 
 # Bytes per element of a Transformer Engine FP8 copy, both layouts (TE keeps a row-wise and a column-wise copy
-# of each GEMM operand: MXFP8 always, tensor-scaled FP8 on Hopper, whose FP8 GEMM takes only the NT layout):
-# 1 byte each, plus MXFP8's one E8M0 scale per 32 elements.
-TE_FP8_BYTES = {"fp8_current": 2.0, "mxfp8": 2 * (1 + 1 / 32)}
+# of each GEMM operand: MXFP8 and NVFP4 always, tensor-scaled FP8 on Hopper, whose FP8 GEMM takes only the NT
+# layout): 1 byte each, plus MXFP8's one E8M0 scale per 32 elements; NVFP4 half a byte and one E4M3 scale per 16.
+TE_FP8_BYTES = {"fp8_current": 2.0, "mxfp8": 2 * (1 + 1 / 32), "nvfp4": 2 * (0.5 + 1 / 16),
+                "nvfp4_no_rht": 2 * (0.5 + 1 / 16)}
 
 
 def te_quantized_bytes(cfg, r: int, ep: int, tp: int) -> dict:

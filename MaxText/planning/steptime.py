@@ -44,6 +44,7 @@ class Hardware(NamedTuple):
     name: str
     bf16_tflops: float
     fp8_tflops: float
+    fp4_tflops: float      # NVFP4 (Blackwell); 0: none (Hopper)
     hbm_tbps: float
     nvlink_gbps: float     # per GPU, per direction
     nvlink_domain: int     # GPUs one NVLink fabric joins
@@ -52,17 +53,19 @@ class Hardware(NamedTuple):
     source: str
 
 
-# Sources: NVIDIA datasheets (H100/H200 "with sparsity" figures halved), DeepSeek's ISCA paper for the H800
+# Sources: NVIDIA datasheets (H100/H200 "with sparsity" figures halved; FP4: B200 18 PF, GB200 NVL72 1440 PF over 72
+# GPUs, both with sparsity, halved; GB300 NVL72 1080 PF dense over 72), DeepSeek's ISCA paper for the H800
 # (arXiv 2505.09343: NVLink 400 GB/s, one 400G CX7 per GPU), the Megatron-LM GB200 note (900 GB/s per
 # direction on NVL72), NVIDIA's GB300 reference architecture (ConnectX-8). The host links are nominal
 # (PCIe Gen5 x16: 64 GB/s a direction; NVLink-C2C taken as 900 GB/s shared by a Grace and two GPUs: unsourced).
 HARDWARE = {h.name: h for h in (
-    Hardware("h100", 989, 1979, 3.35, 450, 8, 50, 64, "H100 SXM datasheet; DGX H100: 8x CX-7 400G"),
-    Hardware("h800", 989, 1979, 3.35, 200, 8, 50, 64, "Hopper compute as H100; NVLink 400 GB/s, CX7 400G"),
-    Hardware("h200", 989, 1979, 4.8, 450, 8, 50, 64, "H200 SXM datasheet: H100 compute, 4.8 TB/s"),
-    Hardware("b200", 2250, 4500, 8.0, 900, 8, 50, 64, "HGX B200: 2.25/4.5 PF dense, NVLink 5, CX-7 400G"),
-    Hardware("gb200", 2500, 5000, 8.0, 900, 72, 50, 450, "GB200 NVL72: 2.5/5 PF dense, 900 GB/s per direction"),
-    Hardware("gb300", 2500, 5000, 8.0, 900, 72, 100, 450, "GB300 NVL72: as GB200 for bf16/fp8, CX-8 800G"),
+    Hardware("h100", 989, 1979, 0, 3.35, 450, 8, 50, 64, "H100 SXM datasheet; DGX H100: 8x CX-7 400G"),
+    Hardware("h800", 989, 1979, 0, 3.35, 200, 8, 50, 64, "Hopper compute as H100; NVLink 400 GB/s, CX7 400G"),
+    Hardware("h200", 989, 1979, 0, 4.8, 450, 8, 50, 64, "H200 SXM datasheet: H100 compute, 4.8 TB/s"),
+    Hardware("b200", 2250, 4500, 9000, 8.0, 900, 8, 50, 64, "HGX B200: 2.25/4.5/9 PF dense, NVLink 5, CX-7 400G"),
+    Hardware("gb200", 2500, 5000, 10000, 8.0, 900, 72, 50, 450, "GB200 NVL72: 2.5/5/10 PF dense, 900 GB/s per direction"),
+    Hardware("gb300", 2500, 5000, 15000, 8.0, 900, 72, 100, 450, "GB300 NVL72: as GB200 for bf16/fp8, FP4 15 PF dense, "
+             "CX-8 800G"),
 )}
 # gpu_profile (MaxText.config.hardware) -> HARDWARE, and its NVLink domain
 PROFILE_HARDWARE = {"h100-sxm": "h100", "h200-sxm": "h200", "gb200-nvl72": "gb200", "gb300-nvl72": "gb300"}
@@ -75,6 +78,10 @@ GROUPED_GEMM_EFFICIENCY = 0.45  # expert grouped GEMMs (skewed group sizes, smal
 # the inputs and the scales cost what the faster math saves elsewhere (Megatron-Bridge 25.11, GB300, same
 # layout: FP8-MX 4357 tokens/s/GPU against BF16 3848, 1.13x end to end).
 FP8_GEMM_FACTOR = 0.65
+# NVFP4 GEMMs are taken to reach the same fraction of their (4x bf16) peak: unvalidated, no published NVFP4 run of a
+# DeepSeek-V3-class model gives an end-to-end figure to set it from (its Hadamard transform and second quantization
+# pass may cost more than FP8's casts).
+FP4_GEMM_FACTOR = FP8_GEMM_FACTOR
 ATTENTION_EFFICIENCY = {"flash": 0.40, "xla": 0.12}  # fused flash kernel vs XLA's materialised scores (bf16)
 HBM_EFFICIENCY = 0.70
 COLLECTIVE_EFFICIENCY = 0.70    # ring all-gather / reduce-scatter / all-reduce, of the link bandwidth
@@ -107,7 +114,7 @@ class Layout(NamedTuple):
     fsdp_local: int = 0             # members of an FSDP group inside one NVLink domain (0: the whole group)
     fsdp_dense_local: int = 0       # the same for the dense weights' group
     micro_batch: int = 1
-    gemm_precision: str = "bf16"    # bf16 | fp8 (the GEMMs' inputs; fp8 covers MXFP8)
+    gemm_precision: str = "bf16"    # bf16 | fp8 | fp4 (the GEMMs' inputs; fp8 covers MXFP8, fp4 NVFP4)
     grouped_precision: str = ""     # the expert GEMMs' precision where it differs ("": gemm_precision)
     dense_precision: str = ""       # the quantizable dense GEMMs' (attention projections, dense MLPs, shared
                                     # experts: upstream's `quantization`) where it differs ("": gemm_precision)
@@ -147,7 +154,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         fsdp_local=_local(ici("fsdp"), ici("expert") * ici("tensor"), fsdp, domain),
         fsdp_dense_local=_local(ici("fsdp") * ici("expert"), ici("tensor"), fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
-        dense_precision="fp8" if cfg.quantization != "none" else "",
+        dense_precision=("" if cfg.quantization == "none" else "fp4" if cfg.quantization.startswith("te_nvfp4")
+                         else "fp8"),
         # NCCL EP's high-throughput algorithm (TE's) is hierarchical: RDMA between nodes, NVLink inside one (NVIDIA/nccl
         # contrib/nccl_ep/README.md), so a token crosses the NICs once per destination node; so does ep_two_hop's.
         dispatch_per="node" if nccl_ep or cfg.ep_two_hop else "gpu" if cfg.ep_dedup else "slot",
@@ -299,7 +307,10 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
     """Seconds per step of each kind of computation for `tokens` per GPU ({term: s}) and their sum, slowed where
     the EP exchange takes SMs of its own."""
     def peak(precision):
-        return (hw.fp8_tflops * FP8_GEMM_FACTOR if precision == "fp8" else hw.bf16_tflops) * 1e12
+        if precision == "fp4" and hw.fp4_tflops:
+            return hw.fp4_tflops * FP4_GEMM_FACTOR * 1e12
+        # (NVFP4 on a GPU without FP4, which the trainer and the preflight refuse, at FP8's rate)
+        return (hw.fp8_tflops * FP8_GEMM_FACTOR if precision in ("fp8", "fp4") else hw.bf16_tflops) * 1e12
 
     grouped_precision = lay.grouped_precision or lay.gemm_precision
     forward = 1.0 + lay.recompute  # forward passes per step (recompute included), the backward twice a forward

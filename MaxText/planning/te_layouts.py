@@ -156,3 +156,63 @@ def mx_dequantize(data, scale_inv, row_sizes, rows: int, cols: int, colwise: boo
     factor = jnp.where(byte == E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1), byte.astype(jnp.int32) - E8M0_BIAS))
     factor = jnp.repeat(factor, MX_BLOCK, axis=0 if colwise else 1)
     return data.reshape(rows, cols).astype(jnp.float32) * factor
+
+
+# ------------------------------------------------------------------------------------------- NVFP4 blocks
+# (TE main @ d0067d0, common/cast/nvfp4/core_nvfp4.cuh and quantize_transpose_nvfp4.cuh; jax/csrc/extensions/
+# quantization.cpp.) Two levels: a float32 tensor scale S_enc = 448 * 6 / amax (1 where amax is 0 or the quotient
+# 0; at most float32's max) from the amax TE's Python hands in (the post-RHT amax for an RHT'd colwise copy), and
+# per 16 elements along the matrix's last dim (a 16 x 16 tile with 2D scaling, for weights) an E4M3 decode scale
+# S_dec_b = block_amax * (S_enc / 6) cast to E4M3; the elements are multiplied by 1 / (S_dec_b / S_enc) and cast to
+# E2M1 (round to nearest even, saturating at 6; stochastic rounding for gradients). Scales are the plain matrix,
+# one per block of 16 along the last dim (2D: repeated for each of the tile's 16 rows), padded to 128 x 4; the
+# GEMM swizzles them in its own kernel. The colwise copy is x transposed at flatten_axis, quantized the same way.
+
+NV_BLOCK = 16
+FP4_MAX, E4M3_MAX = 6.0, 448.0
+
+
+def nv_tensor_scale(amax):
+    """S_enc from a (1,) amax: 448 * 6 / amax, at most float32's max, 1 where amax is 0 or S_enc underflows."""
+    amax = amax.reshape(-1)[0].astype(jnp.float32)
+    enc = jnp.minimum(E4M3_MAX * FP4_MAX / amax, jnp.finfo(jnp.float32).max)
+    return jnp.where((amax == 0) | (enc == 0), jnp.float32(1), enc)
+
+
+def fp4_round_stochastic(scaled, key):
+    """Each |value| rounded down or up to its neighbours on E2M1's grid (0, .5, 1, 1.5, 2, 3, 4, 6) with the
+    probability of the other neighbour's distance, so that the rounding is unbiased; past 6 it stays 6."""
+    grid = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+    mag = jnp.minimum(jnp.abs(scaled), FP4_MAX)
+    i = jnp.clip(jnp.searchsorted(grid, mag, side="right") - 1, 0, grid.size - 2)
+    low, high = grid[i], grid[i + 1]
+    up = jax.random.uniform(key, scaled.shape) < (mag - low) / (high - low)
+    return jnp.sign(scaled) * jnp.where(up, high, low)
+
+
+def nv_quantize(x2, amax, padded: tuple[int, int], out_dtype, scale_dtype, *, two_d: bool, sr_key=None):
+    """x2 [rows, cols] in NVFP4 against the tensor amax `amax`: (data [rows, cols], the E4M3 scale matrix [rows,
+    cols / 16] in the top-left corner of a `padded` [rows', cols'] buffer whose rest is unwritten: NaN)."""
+    rows, cols = x2.shape
+    enc = nv_tensor_scale(amax)
+    blocks = jnp.abs(x2).reshape(rows, cols // NV_BLOCK, NV_BLOCK).max(axis=2)
+    if two_d:  # one amax per 16 x 16 tile, repeated over its rows
+        tiles = blocks.reshape(rows // NV_BLOCK, NV_BLOCK, cols // NV_BLOCK).max(axis=1)
+        blocks = jnp.repeat(tiles, NV_BLOCK, axis=0)
+    dec = jnp.minimum(blocks * (enc * (1 / FP4_MAX)), jnp.finfo(jnp.float32).max).astype(scale_dtype)
+    factor = jnp.minimum(1 / (dec.astype(jnp.float32) * (1 / enc)), jnp.finfo(jnp.float32).max)
+    scaled = x2 * jnp.repeat(factor, NV_BLOCK, axis=1)
+    if sr_key is not None:
+        scaled = fp4_round_stochastic(scaled, sr_key)
+    data = jnp.clip(scaled, -FP4_MAX, FP4_MAX).astype(out_dtype)
+    scales = jnp.full(padded, jnp.nan, scale_dtype).at[:rows, :cols // NV_BLOCK].set(dec)
+    return data, scales
+
+
+def nv_blocks(data2, scales2):
+    """An NVFP4 operand [rows, cols] as float32 before its tensor scale: data times its blocks' E4M3 scales (the
+    scale matrix's top-left [rows, cols / 16]). The GEMM takes the two tensor scales as alpha = the product of
+    the operands' amax / (6 * 448) (cpp_extensions/gemm.py _get_nvfp4_tensor_scale_inv): 1 / S_enc each."""
+    rows, cols = data2.shape
+    dec = scales2[:rows, :cols // NV_BLOCK].astype(jnp.float32)
+    return data2.astype(jnp.float32) * jnp.repeat(dec, NV_BLOCK, axis=1)

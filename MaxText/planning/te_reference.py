@@ -20,9 +20,13 @@ Kernels covered (TE primitive -> reference):
     GroupedQuantizePrimitive (V1 GroupedQuantizeFFI; V2 nvte_group_quantize, MXFP8 at SM 100 with 128-row
         multiples): tensor scaling and MXFP8, rowwise / colwise / both
     GroupedGemmCopySizesPrimitive: the group sizes themselves
-    GemmPrimitive (GemmV2FFI, nvte_cublas_gemm_v2): the dense GEMM, no scaling, tensor scaling, MXFP8, bias
+    GemmPrimitive (GemmV2FFI, nvte_cublas_gemm_v2): the dense GEMM, no scaling, tensor scaling, MXFP8, NVFP4
+        (alpha: the tensor scales), bias
     BaseDBiasQuantizePrimitive (DBiasQuantizeFFI; DBiasQuantizePrimitive and QuantizePrimitive bind it): tensor
-        scaling and MXFP8, rowwise / colwise / both, the bias gradient
+        scaling and MXFP8, rowwise / colwise / both, the bias gradient; NVFP4 1D and 2D (TE main @ d0067d0
+        jax/csrc/extensions/quantization.cpp, common/cast/nvfp4), with the Hadamard transform on the colwise copy
+        and stochastic rounding
+    RHTAmaxCalculationPrimitive (nvte_hadamard_transform_amax): the amax and the post-RHT amax
 The layouts the references read and write, as TE's C++ and Python lay out grouped operands and their
 scales (with what that costs, such as TE 2.20's tensor-scale misread after an empty expert): te_layouts.py.
 """
@@ -112,6 +116,8 @@ def _scaling(scaling_mode) -> str:
         return "tensor"
     if mode == ScalingMode.MXFP8_1D_SCALING:
         return "mxfp8"
+    if mode.is_nvfp4_scaling:
+        return "nvfp4"
     raise NotImplementedError(f"te_reference: no reference for {mode}")
 
 
@@ -303,21 +309,42 @@ def _dense_operand(data, scale_inv, scaling: str, flatten_axis: int, colwise: bo
     return layouts.mx_dequantize(data, scale_inv, one_group, rows, cols, colwise).reshape(data.shape)
 
 
+def _nvfp4_gemm(lhs, lhs_sinv, lhs_c, rhs, rhs_sinv, rhs_c):
+    """lhs . rhs of two NVFP4 operands before alpha: each [free, contracting] times its blocks' scales (the 16-element
+    blocks run along the contracting dims, which TE's Python puts last in both: NVFP4 GEMMs are TN)."""
+    def blocks(data, sinv, contract):
+        axis = data.ndim - len(contract)
+        if tuple(contract) != tuple(range(axis, data.ndim)):
+            raise NotImplementedError(f"te_reference: NVFP4 GEMM contracting dims {contract} not last of {data.shape}")
+        data2 = data.reshape(int(np.prod(data.shape[:axis])), -1)
+        return layouts.nv_blocks(data2, sinv.reshape(int(np.prod(sinv.shape[:axis])), -1))
+
+    a, b = blocks(lhs, lhs_sinv, lhs_c), blocks(rhs, rhs_sinv, rhs_c)
+    out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(*lhs.shape[:lhs.ndim - len(lhs_c)], *rhs.shape[:rhs.ndim - len(rhs_c)])
+
+
 @reference("GemmPrimitive")
 def gemm(lhs, lhs_sinv, rhs, rhs_sinv, bias, alpha, beta, *, out_dtype, contracting_dims, scaling_mode,
          use_split_accumulator, transpose_batch_sequence, sequence_dim, is_outer, collective_op):
     """GemmV2FFI (gemm.cpp, nvte_cublas_gemm_v2): out = lhs . rhs over contracting_dims (lhs's free dims, then
-    rhs's), in float32, plus the bias when one is given; alpha and beta are read for NVFP4 only (not covered).
+    rhs's), in float32, plus the bias when one is given. NVFP4: alpha (the two tensor scales) times the product of
+    the operands' blocks (beta, 0 here, adds the unwritten output: ignored).
     The operands are dequantized as they are handed over: tensor scaling by their one scale_inv, MXFP8 by the
     blocks along the contracting dims (the lhs's colwise copy when it contracts its leading dims, the rhs's
     when it contracts its trailing ones; gemm.py GemmPrimitive.impl). No collective GEMM."""
     from transformer_engine.jax.cpp_extensions.gemm import _get_gemm_layout, sanitize_dims  # noqa: PLC0415
 
-    del use_split_accumulator, transpose_batch_sequence, sequence_dim, is_outer, alpha, beta
+    del use_split_accumulator, transpose_batch_sequence, sequence_dim, is_outer, beta
     if not collective_op.is_none:
         raise NotImplementedError("te_reference: collective (all-gather / reduce-scatter) GEMM")
     scaling = _scaling(scaling_mode)
     lhs_c, rhs_c = (tuple(sanitize_dims(a.ndim, d)) for a, d in zip((lhs, rhs), contracting_dims))
+    if scaling == "nvfp4":
+        out = _nvfp4_gemm(lhs, lhs_sinv, lhs_c, rhs, rhs_sinv, rhs_c) * alpha.reshape(-1)[0]
+        if bias.size > 0:
+            out = out + bias.astype(jnp.float32)
+        return (out.astype(out_dtype),)
     lhs_t, rhs_t = _get_gemm_layout((lhs.ndim, rhs.ndim), (lhs_c, rhs_c))
     a = _dense_operand(lhs, lhs_sinv, scaling, max(lhs_c) + 1 if lhs_t else min(lhs_c), colwise=lhs_t)
     b = _dense_operand(rhs, rhs_sinv, scaling, min(rhs_c) if rhs_t else max(rhs_c) + 1, colwise=not rhs_t)
@@ -333,13 +360,15 @@ def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dty
     """DBiasQuantizeFFI (nvte_quantize / nvte_quantize_dbias) on x seen as [rows, cols] split at flatten_axis.
     Tensor scaling: x * scale cast (saturating), the colwise copy transposed at flatten_axis where TE's layout
     says so, scale_inv = 1 / scale in the rowwise buffer (the colwise one unwritten), amax = max(amax, max|x|).
-    MXFP8: layouts.mx_quantize in the dense layout, amax passed through. dbias: x summed over the rows, in x's dtype."""
+    MXFP8: layouts.mx_quantize in the dense layout, amax passed through. dbias: x summed over the rows, in x's dtype.
+    NVFP4: _nvfp4_quantize."""
     from transformer_engine.jax.quantize import ScalingMode  # noqa: PLC0415
 
-    del sr_rng_state, post_rht_amax, rht_matrix
-    if stochastic_rounding or use_rht:
-        raise NotImplementedError("te_reference: NVFP4's stochastic rounding and Hadamard transform")
     mode, scaling = ScalingMode(scaling_mode), _scaling(scaling_mode)
+    if scaling == "nvfp4":
+        return _nvfp4_quantize(x, amax, sr_rng_state, post_rht_amax, rht_matrix, mode=mode, out_dtype=out_dtype,
+                               q_layout=q_layout, flatten_axis=flatten_axis, scale_dtype=scale_dtype,
+                               is_outer=is_outer, stochastic_rounding=stochastic_rounding, use_rht=use_rht)
     eff = flatten_axis % x.ndim
     rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
     x2 = x.reshape(rows, cols).astype(jnp.float32)
@@ -367,6 +396,75 @@ def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dty
                          else (_nan((1,), out_dtype), _nan((1,), scale_dtype)))
     dbias = jnp.sum(x2, axis=0).astype(x.dtype).reshape(x.shape[eff:]) if is_dbias else _nan((1,), x.dtype)
     return rowwise, colwise, row_sinv, col_sinv, new_amax, dbias  # the workspace: _checked
+
+
+def _sr_key(sr_rng_state):
+    """A JAX key from this shard's stochastic-rounding state (its first 4 uint32s; TE's partitioner hands each
+    shard its own row) as TE's pure-JAX quantizer makes it (quantizer.py NVFP4Quantizer), which then draws one
+    uniform per element of each copy. The GPU kernel draws its bits with Philox from the same state: the same
+    probabilities, not the same bits."""
+    words = sr_rng_state.reshape(-1)[:4]
+    return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words[:2]), words[2]), words[3])
+
+
+def _nvfp4_quantize(x, amax, sr_rng_state, post_rht_amax, rht_matrix, *, mode, out_dtype, q_layout, flatten_axis,
+                    scale_dtype, is_outer, stochastic_rounding, use_rht):
+    """DBiasQuantizeFFI for NVFP4 (quantization.cpp; layouts.nv_quantize): the rowwise copy against `amax` (TE's
+    Python computes it first); the colwise copy is x transposed at flatten_axis, against the same amax, or with
+    use_rht (nvte_hadamard_transform_cast_fusion_columnwise) each 16 consecutive elements of its rows (x's
+    columns) times the 16 x 16 RHT matrix, against the post-RHT amax. 2D scaling (weights): 16 x 16 tiles.
+    Stochastic rounding where asked. The amax comes back as given (the FFI aliases it); no dbias (TE's Python
+    computes NVFP4's in JAX)."""
+    eff = flatten_axis % x.ndim
+    rows, cols = int(np.prod(x.shape[:eff])), int(np.prod(x.shape[eff:]))
+    x2 = x.reshape(rows, cols).astype(jnp.float32)
+    row_shape, col_shape = mode.get_scale_shape_2x(x.shape, is_padded=not is_outer, flatten_axis=flatten_axis,
+                                                   broadcast_2d_scale_shape_to_1d=True)
+    two_d = mode.name == "NVFP4_2D_SCALING"
+
+    def padded(shape, axis):
+        return int(np.prod(shape[:axis])), int(np.prod(shape[axis:]))
+
+    key = _sr_key(sr_rng_state) if stochastic_rounding else None
+
+    rowwise, row_sinv = _nan((1,), out_dtype), _nan(row_shape, scale_dtype)
+    colwise, col_sinv = _nan((1,), out_dtype), _nan((1,), scale_dtype)
+    if q_layout.has_rowwise:
+        data, scales = layouts.nv_quantize(x2, amax, padded(row_shape, eff), out_dtype, scale_dtype, two_d=two_d,
+                                           sr_key=key)
+        rowwise, row_sinv = data.reshape(x.shape), scales.reshape(row_shape)
+    if q_layout.has_colwise:
+        source, col_amax = x2.T, amax
+        if use_rht:
+            source = (source.reshape(-1, 16) @ rht_matrix.astype(jnp.float32)).reshape(cols, rows)
+            col_amax = post_rht_amax
+        data, scales = layouts.nv_quantize(source, col_amax, padded(col_shape, x.ndim - eff), out_dtype, scale_dtype,
+                                           two_d=two_d, sr_key=key)
+        colwise, col_sinv = data.reshape(x.shape[eff:] + x.shape[:eff]), scales.reshape(col_shape)
+    return rowwise, colwise, row_sinv, col_sinv, amax, _nan((1,), x.dtype)  # the workspace: _checked
+
+
+RHT_SIZE = 16
+
+
+@reference("RHTAmaxCalculationPrimitive")
+def rht_amax(x, *, amax_scope, transpose_batch_sequence, rht_matrix_random_sign_mask_t, produce_regular_amax,
+             flatten_axis):
+    """The RHT amax kernel (nvte_hadamard_transform_amax): max|x| (when asked; else 0) and the largest magnitude of x
+    transposed at flatten_axis with each 16 consecutive elements of a row times the RHT matrix: the 16 x 16
+    Hadamard matrix / 4 with row i negated where bit i of the sign mask is set, rounded to bf16 as TE's Python
+    hands it to the quantize kernel (quantize/hadamard.py)."""
+    del amax_scope, transpose_batch_sequence
+    eff = flatten_axis % x.ndim
+    x2 = x.reshape(int(np.prod(x.shape[:eff])), -1).astype(jnp.float32)
+    h = np.array([[1.0]])
+    while h.shape[0] < RHT_SIZE:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.array([-1.0 if rht_matrix_random_sign_mask_t >> i & 1 else 1.0 for i in range(RHT_SIZE)])
+    matrix = jnp.asarray(signs[:, None] * h / np.sqrt(RHT_SIZE), jnp.bfloat16).astype(jnp.float32)
+    post = jnp.max(jnp.abs(x2.T.reshape(-1, RHT_SIZE) @ matrix)).reshape(1)
+    regular = jnp.max(jnp.abs(x2)).reshape(1) if produce_regular_amax else jnp.zeros((1,), jnp.float32)
+    return regular, post
 
 
 # ------------------------------------------------------------------------------------------- fused router

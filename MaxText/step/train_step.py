@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from MaxText.layers.linear import stochastic_rounding
 from MaxText.layers.models import moe_load, update_moe_bias
 from MaxText.layers.losses import cross_entropy
 from MaxText.parallel.sharding import DATA_AXES
@@ -19,12 +20,17 @@ def _model(graphdef, params, nnx_aux):
     return nnx.merge(graphdef, params, nnx_aux) if nnx_aux else nnx.merge(graphdef, params)
 
 
-def loss_fn(params, batch, graphdef, cfg, nnx_aux=None):
+def loss_fn(params, batch, graphdef, cfg, nnx_aux=None, sr_key=None, micro_index=None):
     """Token-mean cross-entropy over real target tokens, plus the weighted MoE load-balance and z losses
     (summed over MoE layers: each router is balanced on its own) and the scaled Multi-Token Prediction loss.
+    sr_key: NVFP4's stochastic rounding (linear.stochastic_rounding), a micro-batch's own with micro_index.
 
     Returns (loss, aux) with aux = {lm_loss, moe_aux_loss, moe_z_loss, mtp_loss, moe stats, mtp stats}.
     """
+    if sr_key is not None:
+        key = sr_key if micro_index is None else jax.random.fold_in(sr_key, micro_index)
+        with stochastic_rounding(key):
+            return loss_fn(params, batch, graphdef, cfg, nnx_aux)
     model = _model(graphdef, params, nnx_aux)
     h_BLD, moe_stats = model.hidden(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
     weights_BL = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -89,16 +95,16 @@ def accumulated_loss_and_grads(params, batch, loss, cfg):
     tokens_M = jnp.sum((micro["targets_segmentation"] != 0).astype(jnp.float32), axis=(1, 2))
     share_M = tokens_M / jnp.maximum(jnp.sum(tokens_M), 1.0)
 
-    def weighted(p, b, share):
-        total, aux = loss(p, b)
+    def weighted(p, b, share, index):
+        total, aux = loss(p, b, micro_index=index)
         lb = aux["moe_aux_loss"]
         return (total - lb) * share + lb / steps, aux
 
     grad_fn = jax.value_and_grad(weighted, has_aux=True)
 
     def body(carry, xs):
-        b, share = xs
-        (value, aux), grads = grad_fn(params, b, share)
+        b, share, index = xs
+        (value, aux), grads = grad_fn(params, b, share, index)
         scale = {"lm_loss": share, "mtp_loss": share, "moe_z_loss": share, "moe_aux_loss": 1.0 / steps}
         aux = {k: (v * scale[k] if k in scale else v) for k, v in aux.items()}
         summed = jax.tree.map(jnp.add, carry, (value, grads, {k: aux[k] for k in scale}))
@@ -106,7 +112,7 @@ def accumulated_loss_and_grads(params, batch, loss, cfg):
 
     zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params),
              {k: jnp.zeros(()) for k in ("lm_loss", "mtp_loss", "moe_z_loss", "moe_aux_loss")})
-    (value, grads, losses), routers = jax.lax.scan(body, zeros, (micro, share_M))
+    (value, grads, losses), routers = jax.lax.scan(body, zeros, (micro, share_M, jnp.arange(steps)))
     combined = {part: {k: (jnp.sum(v, axis=0) if k in SUMMED_STATS else jnp.mean(v, axis=0)) for k, v in stats.items()}
                 for part, stats in routers.items()}
     return value, {**losses, **combined}, grads
@@ -118,7 +124,10 @@ def train_step(state, batch, *, graphdef, cfg, tx, rollback: bool = False):
     With `rollback` (moe_dropless_fallback=step), a step in which any MoE layer overflowed returns the state it was
     given, unchanged (metrics["moe_overflowed"] says so), for the worst-case program to run it again."""
     nnx_aux = state.get("nnx_aux")
-    loss = functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux)
+    # NVFP4 rounds gradients stochastically: a new key each step (the same step, rerun, rounds the same)
+    sr_key = (jax.random.fold_in(jax.random.key(cfg.init_weights_seed), state["step"])
+              if cfg.quantization.startswith("te_nvfp4") else None)
+    loss = functools.partial(loss_fn, graphdef=graphdef, cfg=cfg, nnx_aux=nnx_aux, sr_key=sr_key)
     if cfg.gradient_accumulation_steps > 1:
         loss_value, aux, grads = accumulated_loss_and_grads(state["params"], batch, loss, cfg)
     else:

@@ -21,6 +21,7 @@ from MaxText.data import make_data, validate
 from MaxText.data.records import DataError
 from MaxText.layers.moe.te_runtime import check_available, moe_runtime
 from MaxText.parallel import sharding
+from MaxText.config.checks import nvfp4_without_rht
 from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning import flops
 from MaxText.planning.plan import check_fits
@@ -111,6 +112,9 @@ def _train(cfg, log, devices, stop) -> dict | None:
         f"tokens, moe_impl={cfg.moe_impl}"
         + (" (TE's router and grouped GEMMs; the expert exchange over XLA's ragged all-to-all, as NCCL EP takes no "
            "moe_dropless_fallback)" if xla_exchange else "") + f", outputs in {run_dir}")
+    no_rht = nvfp4_without_rht(cfg)
+    if no_rht:
+        log(f"quantization=te_nvfp4: without the Hadamard transform (a width not a multiple of 128): {', '.join(no_rht)}")
     spec = state_spec(cfg, mesh)
     check_fits(cfg, spec, dict(mesh.shape), mesh.devices.size, log)  # too big: one line, not a hang in XLA
     # One trainer per run directory: taken before anything is written there, held until the run returns.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from MaxText.config.checks import te_router_mode
@@ -77,11 +78,16 @@ def _te_topk(te, logits_TE, bias_E, cfg):
     return weights_TK * cfg.routed_scaling_factor, experts_TK
 
 
-def quantizer_set(te, quantization: str, num_groups: int):
+def quantizer_set(te, quantization: str, num_groups: int, sr_key=None):
     """TE's quantizer set for a GEMM (num_groups 1) or a grouped GEMM: none, fp8_current (E4M3 forward, E5M2
-    gradients) or mxfp8 (E4M3 both ways, 32-element blocks)."""
+    gradients) or mxfp8 (E4M3 both ways, 32-element blocks); for a dense GEMM also nvfp4 / nvfp4_no_rht
+    (nvfp4_quantizer_set; sr_key seeds its stochastic rounding)."""
     if quantization == "none":
         return te["noop_quantizer_set"]
+    if quantization in NVFP4:
+        if num_groups != 1:
+            raise ValueError("TE 2.20's grouped GEMM takes no NVFP4 operands")
+        return nvfp4_quantizer_set(te, rht=quantization == "nvfp4", sr_key=sr_key)
     mode = {"mxfp8": te["ScalingMode"].MXFP8_1D_SCALING,
             "fp8_current": te["ScalingMode"].CURRENT_TENSOR_SCALING}[quantization]
     # is_2x2x left to TE: a transposed second copy only where the GEMM needs one (MXFP8; tensor-scaled FP8 on
@@ -89,6 +95,29 @@ def quantizer_set(te, quantization: str, num_groups: int):
     return te["QuantizerFactory"].create_set(scaling_mode=mode, fwd_dtype=jnp.float8_e4m3fn,
                                              bwd_dtype=jnp.float8_e4m3fn if quantization == "mxfp8"
                                              else jnp.float8_e5m2, n_groups=num_groups)
+
+
+NVFP4 = ("nvfp4", "nvfp4_no_rht")
+
+
+def nvfp4_quantizer_set(te, *, rht: bool, sr_key=None):
+    """TE's NVFP4BlockScaling recipe as its Flax modules build it (quantize/helper.py NVFP4ScalingQuantizeConfig),
+    outside Flax: activations and gradients in 16-element blocks, weights in 16 x 16 tiles; with `rht` the
+    weight gradient's two operands (the colwise copies of x and of the output gradient) through the random
+    Hadamard transform; the output gradient rounded stochastically from a per-device state drawn from sr_key
+    (a fixed key when None: the same rounding on every call)."""
+    from transformer_engine.jax.quantize.metadata import QuantizeMeta, QuantizeMetaSet  # noqa: PLC0415
+    from transformer_engine.jax.sharding import get_all_mesh_axes, get_num_devices_in_mesh  # noqa: PLC0415
+
+    key = jax.random.key(0) if sr_key is None else sr_key
+    state = jax.random.bits(key, (get_num_devices_in_mesh(), 4), jnp.uint32)
+    axes = get_all_mesh_axes()
+    if axes and not jax.sharding.get_abstract_mesh().empty:
+        state = jax.lax.with_sharding_constraint(state, jax.sharding.PartitionSpec(axes, None))
+    meta = QuantizeMetaSet(x=QuantizeMeta(use_rht=rht), kernel=QuantizeMeta(),
+                           grad=QuantizeMeta(use_rht=rht, stochastic_rounding_rng_state=state))
+    return te["QuantizerFactory"].create_set(fp8_recipe=te["recipe"].NVFP4BlockScaling(disable_rht=not rht),
+                                             quantize_meta_set=meta)
 
 
 def _te_grouped_gemm(te, x_RD, w_EDF, group_sizes_E, quantization: str):

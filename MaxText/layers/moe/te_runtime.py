@@ -95,7 +95,7 @@ def check_available(cfg) -> None:
 
 
 def check_quantization(cfg, capability: float) -> None:
-    """te_gmm_quantization and quantization against the GPU generation: MXFP8 needs Blackwell, tensor-scaled FP8
+    """te_gmm_quantization and quantization against the GPU generation: MXFP8 and NVFP4 need Blackwell, tensor-scaled FP8
     SM 8.9 (Ada) or later. Tensor-scaled FP8 runs on Hopper and Blackwell alike: TE's Python quantizes and
     differentiates it at SM 9.0 and SM 10.0 (traced with te_trace, and executed against the references with
     te_reference; an SM 10 refusal here rested on a stale TE cache in the trace stand-in, notes/te.md §14.1)."""
@@ -105,6 +105,9 @@ def check_quantization(cfg, capability: float) -> None:
     if cfg.quantization == "te_mxfp8" and capability < 10.0:
         raise ConfigError(f"quantization=te_mxfp8 needs a Blackwell GPU (SM 10.x), this one is SM {capability}; "
                           "use quantization=te_fp8_currentscaling (tensor-scaled FP8) or none")
+    if cfg.quantization.startswith("te_nvfp4") and capability < 10.0:
+        raise ConfigError(f"quantization={cfg.quantization} needs a Blackwell GPU (SM 10.0 or later: FP4 tensor "
+                          f"cores), this one is SM {capability}; use quantization=te_fp8_currentscaling or none")
     if cfg.quantization == "te_fp8_currentscaling" and capability < 8.9:
         raise ConfigError(f"quantization=te_fp8_currentscaling needs FP8 GEMMs (SM 8.9 or later), this GPU is SM "
                           f"{capability}; use quantization=none")
