@@ -107,3 +107,25 @@ def test_parity_command_passes_an_import_and_fails_a_wrong_one(tmp_path, written
     assert check.main(argv + ["rope_max_timescale=5000", "override_model_config=true"]) == 1
     out = capsys.readouterr().out
     assert "FAIL: max relative logit error" in out, out
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe_yarn", "deepseek_v3_yarn"])
+def test_imports_decode_transformers_greedy_tokens(tmp_path, written, case):
+    """An imported checkpoint continued by MaxText.decode (greedy, its KV cache: GQA's keys and values, MLA's
+    compressed latent) gives the tokens transformers' own model.generate gives (greedy, its cache), row for row."""
+    from MaxText.trainer import decode
+
+    item, model_yml, _ = _import(tmp_path, written[case])
+    rows = np.load(written[case] / "rows.npy")[:, :8]
+    steps = 8
+    np.save(tmp_path / "prompts.npy", rows)
+    subprocess.run([HF_PYTHON, check.REFERENCE, "--hf_dir", str(written[case]), "--tokens",
+                    str(tmp_path / "prompts.npy"), "--out", str(tmp_path / "theirs.npy"), "--generate", str(steps)],
+                   check=True, capture_output=True, text=True)
+    common = [a for a in COMMON if not a.startswith("max_target_length=")]
+    cfg = load_config(["configs/base.yml", f"model_name={model_yml}", f"load_parameters_path={item}", *common,
+                       f"max_prefill_predict_length={rows.shape[1]}", f"max_target_length={rows.shape[1] + steps - 1}"])
+    ours = decode.generator(cfg, log=lambda *_: None)(rows.astype(np.int32))
+    theirs = np.load(tmp_path / "theirs.npy")
+    assert theirs.shape == (rows.shape[0], steps) and len(np.unique(theirs)) > steps, theirs  # not one token over
+    np.testing.assert_array_equal(ours, theirs, err_msg=case)

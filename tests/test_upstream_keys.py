@@ -58,11 +58,11 @@ def warnings(caplog) -> list[str]:
 
 def test_no_op_keys_take_any_value_and_are_listed_in_one_line(caplog):
     with caplog.at_level(logging.WARNING):
-        load_config(["gcs_metrics=true", "sa_block_q=4096", "enable_goodput_recording=true", "prompt=hello",
-                     "use_iota_embed=true", "float32_logits=false"])
+        load_config(["gcs_metrics=true", "sa_block_q=4096", "enable_goodput_recording=true",
+                     "prefill_slice=v5e-16", "use_iota_embed=true", "float32_logits=false"])
     lines = [line for line in warnings(caplog) if "no effect here" in line]
     assert lines == ["config: MaxText keys with no effect here (README: Coming from MaxText): "
-                     "enable_goodput_recording, float32_logits, gcs_metrics, prompt, sa_block_q, use_iota_embed"]
+                     "enable_goodput_recording, float32_logits, gcs_metrics, prefill_slice, sa_block_q, use_iota_embed"]
 
 
 @pytest.mark.parametrize("key,off,on,reason", [

@@ -98,6 +98,7 @@ QUANTIZATIONS = ("none", "te_fp8_currentscaling", "te_mxfp8", "te_nvfp4", "te_nv
 QUANTIZATION_RECIPES = {"te_fp8_currentscaling": "fp8_current", "te_mxfp8": "mxfp8", "te_nvfp4": "nvfp4",
                         "te_nvfp4_no_rht": "nvfp4_no_rht"}
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid")
+DECODE_SAMPLING = ("greedy", "weighted", "topk", "nucleus", "composite")  # upstream's decode_sampling_strategy
 LOAD_BALANCE_LOSS_TYPES = ("global", "sequence")
 ROPE_TYPES = ("default", "yarn")
 ATTENTION_TYPES = ("mha", "mla")
@@ -410,4 +411,18 @@ SCHEMA: dict[str, Key] = {
         'start from the params of this checkpoint item dir (.../checkpoints/N/items), step 0'),
     "load_full_state_path": Key(str, null=True, doc=
         'start from the full state (params, optimizer, step) of this item dir'),
+
+    # decoding (python -m MaxText.decode)
+    "prompt": Key(str, doc='the text MaxText.decode continues (through the tokenizer; add_bos: after a BOS id)'),
+    "max_prefill_predict_length": Key(int, low=1, doc=
+        "decode: the longest prompt in tokens; 1 + max_target_length - max_prefill_predict_length tokens follow it"),
+    "autoregressive_decode_assert": Key(str, doc=
+        'decode: exit 1 unless the continuation starts with this text ("" = no check)'),
+    "decode_sampling_strategy": Key(str, choices=DECODE_SAMPLING, doc=
+        'decode: greedy | weighted (softmax / temperature) | topk | nucleus (top-p) | composite (top-k, then top-p, '
+        'then weighted)'),
+    "decode_sampling_temperature": Key(float, low=0, low_open=True, doc='decode: softmax temperature of the sampling'),
+    "decode_sampling_top_k": Key(int, low=0, doc='decode, topk and composite: sample among the k likeliest (0 = all)'),
+    "decode_sampling_nucleus_p": Key(float, low=0, high=1, low_open=True, null=True, minus_one_null=True, doc=
+        'decode, nucleus and composite: sample among the likeliest tokens whose probabilities reach p (null = all)'),
 }

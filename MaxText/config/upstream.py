@@ -74,10 +74,11 @@ GROUPS: tuple[Group, ...] = (
        "compile_topology compile_topology_num_slices internal_compile internal_compile_num_devices "
        "max_inflight_computations use_ragged_sort moe_use_direct_token_gather use_custom_sort_vjp "
        "router_topk_matmul_vjp"),
-    _g(NOOP, "inference, decoding, serving or RL rollout; this trainer trains",
-       "max_prefill_predict_length prompt load_from_prefill_dir prefill_cache_dir autoregressive_decode_assert "
-       "decode_sampling_* inference_* prefill_slice generate_slice enable_model_warmup enable_llm_inference_pool "
-       "multi_sampling return_log_prob stack_prefill_result_cache prefill_cache_axis_order ar_cache_axis_order "
+    _g(NOOP, "serving, disaggregated inference or RL rollout; MaxText.decode decodes one prompt or a batch of token "
+             "rows with a KV cache, none of these",
+       "load_from_prefill_dir prefill_cache_dir inference_* prefill_slice generate_slice enable_model_warmup "
+       "enable_llm_inference_pool multi_sampling return_log_prob stack_prefill_result_cache prefill_cache_axis_order "
+       "ar_cache_axis_order "
        "compute_axis_order reshape_q prefill_chunk_size use_chunked_prefill enable_prefix_caching prefix_caching_* "
        "enable_padding_causal_mask mla_naive_kvcache quantize_kvcache kv_quant_axis kv_quant_dtype vllm_* "
        "use_weight_converter rollout_tensor_parallelism rollout_backend kv_tp_size moe_mlp_tp_size weight_sync_debug "

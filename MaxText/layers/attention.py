@@ -51,6 +51,13 @@ class Attention(DenseGemms, nnx.Module):
         self.rules = rules
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        q, k, v = self._qkv(x_BLD, positions_BL)
+        out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
+                             rules=self.rules)
+        return self._out(out_BLHK)
+
+    def _qkv(self, x_BLD, positions_BL):
+        """Queries, keys and values, RoPE applied (and qk_norm before it)."""
         q = checkpoint_name(self._gemm("bld,dhk->blhk", x_BLD, "wq"), "query_proj")
         k = checkpoint_name(self._gemm("bld,dnk->blnk", x_BLD, "wk"), "key_proj")
         v = checkpoint_name(self._gemm("bld,dnk->blnk", x_BLD, "wv"), "value_proj")
@@ -60,11 +67,39 @@ class Attention(DenseGemms, nnx.Module):
         freqs = jnp.asarray(self.rope_frequencies, jnp.float32)
         q = apply_rope(q, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
         k = apply_rope(k, positions_BL, frequencies_K2=freqs, interleave=self.rope_interleave, scale=self.rope_scale)
-        out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
-                             rules=self.rules)
-        out = self._gemm("blhk,hkd->bld", out_BLHK, "wo")
-        out = checkpoint_name(out, "out_proj")
+        return q, k, v
+
+    def _out(self, out_BLHK):
+        out = checkpoint_name(self._gemm("blhk,hkd->bld", out_BLHK, "wo"), "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
+
+    @staticmethod
+    def cache_shapes(cfg, batch: int, length: int) -> dict:
+        """The KV cache of one layer for `batch` rows of `length` positions: keys (RoPE applied) and values."""
+        shape = (batch, length, cfg.base_num_kv_heads, cfg.head_dim)
+        return {"k": shape, "v": shape}
+
+    def decode(self, x_BTD, start, cache: dict):
+        """T new tokens at positions start .. start + T - 1 of every row: their keys and values written into the
+        cache there, their queries attending every cached position up to their own. (out, new cache)."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q, k, v = self._qkv(x_BTD, positions_BT)
+        cache = {"k": write_cache(cache["k"], k, start), "v": write_cache(cache["v"], v, start)}
+        out_BTHK = cached_attention(q, cache["k"], cache["v"], start, scale=q.shape[-1] ** -0.5)
+        return self._out(out_BTHK), cache
+
+
+def write_cache(cache_BS, new_BT, start):
+    """new_BT written into the cache at positions start .. start + T - 1 (the same for every row)."""
+    return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT.astype(cache_BS.dtype), start, axis=1)
+
+
+def cached_attention(q_BTHK, k_BSNK, v_BSNV, start, scale: float):
+    """Queries at positions start .. start + T - 1 against the cache's S positions, each seeing those up to its own
+    (the cache beyond is unwritten or stale): _softmax_values' core, as training's causal attention computes it."""
+    positions_T = start + jnp.arange(q_BTHK.shape[1])
+    mask_BTS = (jnp.arange(k_BSNK.shape[1])[None, :] <= positions_T[:, None])[None]
+    return _softmax_values(q_BTHK, k_BSNK, v_BSNV, mask_BTS, scale)
 
 
 def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None,
@@ -96,12 +131,17 @@ def attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start=0):
 def _attend(q_BQHK, k_BSNK, v_BSNV, q_segment_ids_BQ, kv_segment_ids_BS, q_start, scale):
     """softmax(q k^T * scale + mask) v for queries q_start.. against all S keys; N key/value heads each
     serve H/N query heads (N = H for MLA). Logits and softmax in float32; V may differ from K."""
+    mask = attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start)
+    return _softmax_values(q_BQHK, k_BSNK, v_BSNV, mask, scale)
+
+
+def _softmax_values(q_BQHK, k_BSNK, v_BSNV, mask_BQS, scale):
+    """softmax(q k^T * scale) v where mask_BQS (B may be 1) holds, the groups of H/N query heads per key head."""
     b, q_len, h, kd = q_BQHK.shape
     n = k_BSNK.shape[2]
     q = q_BQHK.reshape(b, q_len, n, h // n, kd)
     logits = jnp.einsum("bqngk,bsnk->bngqs", q, k_BSNK, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start)[:, None, None]  # [B, 1, 1, Q, S]
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask_BQS[:, None, None], logits, jnp.finfo(jnp.float32).min)  # [B, 1, 1, Q, S]
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BSNV.dtype)
     out = jnp.einsum("bngqs,bsnv->bqngv", probs, v_BSNV)
     return out.reshape(b, q_len, h, v_BSNV.shape[-1])

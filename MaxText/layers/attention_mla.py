@@ -13,11 +13,12 @@ RoPE uses apply_rope's half-split layout (pairs (x[i], x[i + P/2])), also for Ya
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.attention import attention
+from MaxText.layers.attention import attention, write_cache
 from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
@@ -66,9 +67,8 @@ class MLA(DenseGemms, nnx.Module):
         self.dtype = dtype
         self.rules = rules
 
-    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        b, l, _ = x_BLD.shape
-        freqs_P2 = jnp.asarray(self.rope_frequencies, jnp.float32)
+    def _query(self, x_BLD, positions_BL):
+        """The queries [B, L, H, nope + rope], their rope part rotated."""
         if self.q_lora_rank > 0:
             q_BLR = checkpoint_name(self._gemm("bld,dr->blr", x_BLD, "wq_a"), "mla_q")
             q_BLHK = self._gemm("blr,rhk->blhk", self.q_norm(q_BLR), "wq_b")
@@ -76,15 +76,25 @@ class MLA(DenseGemms, nnx.Module):
             q_BLHK = self._gemm("bld,dhk->blhk", x_BLD, "wq")
         q_BLHK = constrain(q_BLHK, _HEADS, self.rules)
         q_nope, q_pe = jnp.split(q_BLHK, [self.nope_dim], axis=-1)
-        q_pe = apply_rope(q_pe, positions_BL, frequencies_K2=freqs_P2, interleave=self.rope_interleave,
-                          scale=self.rope_scale)
-        q_BLHK = checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
+        q_pe = self._rope(q_pe, positions_BL)
+        return checkpoint_name(jnp.concatenate([q_nope, q_pe], axis=-1), "query_proj")
 
+    def _rope(self, x_BLHP, positions_BL):
+        return apply_rope(x_BLHP, positions_BL, frequencies_K2=jnp.asarray(self.rope_frequencies, jnp.float32),
+                          interleave=self.rope_interleave, scale=self.rope_scale)
+
+    def _latent(self, x_BLD, positions_BL):
+        """What MLA caches per position: the normalised key-value latent [B, L, Rkv] and the rotated shared rope
+        key [B, L, 1, P]."""
         kv_BLR = checkpoint_name(self._gemm("bld,dr->blr", x_BLD, "wkv_a"), "mla_kv")
         c_kv_BLR, k_pe_BLP = jnp.split(kv_BLR, [self.kv_lora_rank], axis=-1)
-        k_pe_BL1P = apply_rope(k_pe_BLP[:, :, None, :], positions_BL, frequencies_K2=freqs_P2,
-                               interleave=self.rope_interleave, scale=self.rope_scale)
-        kv_BLHK = self._gemm("blr,rhk->blhk", self.kv_norm(c_kv_BLR), "wkv_b")
+        return self.kv_norm(c_kv_BLR), self._rope(k_pe_BLP[:, :, None, :], positions_BL)
+
+    def __call__(self, x_BLD, positions_BL, segment_ids_BL):
+        b, l, _ = x_BLD.shape
+        q_BLHK = self._query(x_BLD, positions_BL)
+        c_BLR, k_pe_BL1P = self._latent(x_BLD, positions_BL)
+        kv_BLHK = self._gemm("blr,rhk->blhk", c_BLR, "wkv_b")
         kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
         h = k_nope.shape[2]
@@ -95,6 +105,35 @@ class MLA(DenseGemms, nnx.Module):
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
                              chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules)
-        out = self._gemm("blhv,hvd->bld", out_BLHV, "out")
-        out = checkpoint_name(out, "out_proj")
+        return self._out(out_BLHV)
+
+    def _out(self, out_BLHV):
+        out = checkpoint_name(self._gemm("blhv,hvd->bld", out_BLHV, "out"), "out_proj")
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.rules)
+
+    @staticmethod
+    def cache_shapes(cfg, batch: int, length: int) -> dict:
+        """MLA's compressed cache of one layer: the normalised latent and the rotated rope key per position, shared
+        by every head (Rkv + P numbers a position, where GQA's cache would hold 2 H x K)."""
+        return {"c": (batch, length, cfg.kv_lora_rank), "k_pe": (batch, length, cfg.qk_rope_head_dim)}
+
+    def decode(self, x_BTD, start, cache: dict):
+        """T new tokens at positions start .. start + T - 1 against the compressed cache, absorbed as DeepSeek decodes:
+        each head's query is taken into the latent space through its key up-projection (q_nope W_kb^T), scored
+        against the cached latents plus the rope keys, and the softmax-weighted latent goes out through the value
+        up-projection: the keys and values per head are never formed. (out, new cache)."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q_nope, q_pe = jnp.split(self._query(x_BTD, positions_BT), [self.nope_dim], axis=-1)
+        c_BTR, k_pe_BT1P = self._latent(x_BTD, positions_BT)
+        cache = {"c": write_cache(cache["c"], c_BTR, start),
+                 "k_pe": write_cache(cache["k_pe"], k_pe_BT1P[:, :, 0], start)}
+        w_kb, w_vb = jnp.split(self.wkv_b[...].astype(self.dtype), [self.nope_dim], axis=-1)  # [R, H, nope], [R, H, V]
+        q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope, w_kb)
+        logits = (jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, cache["c"], preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthp,bsp->bhts", q_pe, cache["k_pe"], preferred_element_type=jnp.float32))
+        positions_T = start + jnp.arange(x_BTD.shape[1])
+        mask_TS = jnp.arange(cache["c"].shape[1])[None, :] <= positions_T[:, None]
+        logits = jnp.where(mask_TS, logits * self.softmax_scale, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(cache["c"].dtype)
+        out_BTHV = jnp.einsum("bthr,rhv->bthv", jnp.einsum("bhts,bsr->bthr", probs, cache["c"]), w_vb)
+        return self._out(out_BTHV), cache

@@ -80,6 +80,18 @@ class DecoderLayer(nnx.Module):
         """This MoE layer's load in the shape of its MoeBias state."""
         return {"moe": self.moe.moe_load(load_E)}
 
+    def decode(self, x_BTD, start, cache: dict):
+        """The layer on T new tokens at positions start.. of every row, attention through its KV cache (the
+        attention's decode); (x, new cache)."""
+        h, cache = self.self_attention.decode(self.pre_self_attention_norm(x_BTD), start, cache)
+        x_BTD = x_BTD + h
+        normed = self.post_self_attention_norm(x_BTD)
+        if self.is_moe:
+            (h,), _ = self.moe((normed,), (jnp.ones(x_BTD.shape[:2], jnp.int32),))
+        else:
+            h = self.mlp(normed)
+        return x_BTD + h, cache
+
 
 def remat_policy(cfg):
     """jax.checkpoint policy for remat_policy; None means no rematerialisation at all."""
@@ -140,6 +152,22 @@ class LayerStack(nnx.Module):
             x_BLD, stats = call_remat(getattr(self, f"layers_{i}"), x_BLD, positions_BL, segment_ids_BL, policy, remat)
             per_layer.append(stats)
         return x_BLD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+    def decode(self, x_BTD, start, cache: dict):
+        """DecoderLayer.decode through every layer, the cache stacked on a leading layer axis; (x, new cache)."""
+        if self.scan:
+            graphdef, state = nnx.split(self.layers)
+
+            def one(x, layer):
+                s, c = layer
+                return nnx.merge(graphdef, s).decode(x, start, c)
+
+            return jax.lax.scan(one, x_BTD, (state, cache))
+        caches = []
+        for i in range(self.count):
+            x_BTD, c = getattr(self, f"layers_{i}").decode(x_BTD, start, jax.tree.map(lambda a: a[i], cache))
+            caches.append(c)
+        return x_BTD, jax.tree.map(lambda *cs: jnp.stack(cs), *caches)
 
     def moe_load(self, load_LE) -> dict:
         """The stacked per-layer load [count, E] in the shape of this stack's MoeBias state: the scanned layer's

@@ -9,6 +9,8 @@ import ml_collections
 from flax import nnx
 
 from MaxText.config.load import batch_parts, layer_counts
+from MaxText.layers.attention import Attention
+from MaxText.layers.attention_mla import MLA
 from MaxText.layers.decoder import LayerStack, apply_split, remat_policy
 from MaxText.layers.embed import Embed
 from MaxText.layers.moe.router import bias_update
@@ -64,6 +66,27 @@ class Transformer(nnx.Module):
 
         # use_batch_split_schedule: split once, every layer runs the parts side by side, merged at the end
         return apply_split(stacks, self.batch_parts, self.token_embedder(tokens_BL), positions_BL, segment_ids_BL)
+
+
+    def decode(self, tokens_BT, start, cache: dict):
+        """float32 logits [B, T, V] of T new tokens at positions start .. start + T - 1 of every row, each attending
+        the cached positions before it and itself, and the cache with theirs written in (init_cache's tree). The
+        prefill is a decode of the whole prompt at start 0; each step after it one token. No MTP head."""
+        x = self.token_embedder(tokens_BT)
+        new = {}
+        for name in ("dense_layers", "moe_layers"):
+            if name in cache:
+                x, new[name] = getattr(self, name).decode(x, start, cache[name])
+        return self.logits(x), new
+
+
+def init_cache(cfg, batch: int, length: int) -> dict:
+    """Zeros for every layer's KV cache of `batch` rows and `length` positions, in the activation dtype, each stack's
+    stacked on a leading layer axis: {"dense_layers": ..., "moe_layers": ...} as the model has them."""
+    shapes = (MLA if cfg.attention_type == "mla" else Attention).cache_shapes(cfg, batch, length)
+    num_dense, num_moe = layer_counts(cfg)
+    return {name: {k: jnp.zeros((count, *shape), dtype_of(cfg.dtype)) for k, shape in shapes.items()}
+            for name, count in (("dense_layers", num_dense), ("moe_layers", num_moe)) if count}
 
 
 def moe_load(model: Transformer, load_LE, mtp_load_KE=None) -> dict:

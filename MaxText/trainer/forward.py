@@ -48,6 +48,28 @@ def read_tokens(path: str, vocab_size: int, key: str = "--tokens ") -> np.ndarra
     return tokens.astype(np.int32)
 
 
+def load_params_or_init(cfg, mesh, spec, log=print):
+    """(params, routing biases or None) in spec's shardings: load_parameters_path's, else a fresh init (said)."""
+    from MaxText.step.state import create_state
+    from MaxText.trainer import checkpointing
+
+    if cfg.load_parameters_path:
+        params, aux = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg,
+                                                spec.abstract.get("nnx_aux"))
+        log(f"params from {cfg.load_parameters_path}" + (" (with the MoE routing biases)" if aux is not None else ""))
+        return params, aux
+    state = create_state(cfg, mesh, spec)
+    log(f"no load_parameters_path: a fresh init (init_weights_seed={cfg.init_weights_seed})")
+    return state["params"], state.get("nnx_aux")
+
+
+def batch_shards(mesh) -> int:
+    """How many ways the batch splits on this mesh (rows are padded to a multiple of it)."""
+    from MaxText.parallel import sharding
+
+    return math.prod(mesh.shape[a] for a in sharding.DATA_AXES)
+
+
 def model_and_params(cfg, log=print):
     """(jitted tokens [B, L] -> float32 logits [B, L, V], params, routing biases or None) on this process's
     devices, params from load_parameters_path (else a fresh init)."""
@@ -56,20 +78,12 @@ def model_and_params(cfg, log=print):
     import jax
     from flax import nnx
 
-    from MaxText.trainer import checkpointing
     from MaxText.parallel import sharding
-    from MaxText.step.state import create_state, state_spec
+    from MaxText.step.state import state_spec
 
     mesh = sharding.create_mesh(cfg)
     spec = state_spec(cfg, mesh)
-    if cfg.load_parameters_path:
-        params, aux = checkpointing.load_params(cfg.load_parameters_path, spec.abstract["params"], cfg,
-                                                spec.abstract.get("nnx_aux"))
-        log(f"params from {cfg.load_parameters_path}" + (" (with the MoE routing biases)" if aux is not None else ""))
-    else:
-        state = create_state(cfg, mesh, spec)
-        params, aux = state["params"], state.get("nnx_aux")
-        log(f"no load_parameters_path: a fresh init (init_weights_seed={cfg.init_weights_seed})")
+    params, aux = load_params_or_init(cfg, mesh, spec, log)
 
     @jax.jit
     def forward(params, aux, tokens_BL):
@@ -77,7 +91,7 @@ def model_and_params(cfg, log=print):
         logits_BLV, _ = model(tokens_BL)
         return logits_BLV
 
-    shards = math.prod(mesh.shape[a] for a in sharding.DATA_AXES)
+    shards = batch_shards(mesh)
 
     def run(tokens_BL):
         """Rows padded (with copies of the first) to a multiple of the batch shards, then dropped again."""
@@ -87,6 +101,14 @@ def model_and_params(cfg, log=print):
             return np.asarray(jax.device_get(forward(params, aux, padded)), np.float32)[:b]
 
     return run
+
+
+def encode(tokenizer, text: str, add_bos: bool) -> np.ndarray:
+    """int32 ids of a text through the tokenizer, after its BOS id with add_bos (when it has one)."""
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    if add_bos and tokenizer.bos_id is not None:
+        ids = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), ids])
+    return ids
 
 
 def perplexity(logits_BLV: np.ndarray, tokens_BL: np.ndarray) -> tuple[float, int]:
@@ -118,10 +140,7 @@ def main(argv=None) -> int:
             # JAX's start-up)
             from MaxText.data.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(cfg)
-            ids = tokenizer.encode(args.text)
-            if cfg.add_bos and tokenizer.bos_id is not None:
-                ids = np.concatenate([[tokenizer.bos_id], ids])
+            ids = encode(load_tokenizer(cfg), args.text, cfg.add_bos)
             if len(ids) < 2:
                 raise ConfigError("--text: need at least two tokens to score")
             tokens = np.asarray(ids, np.int32)[None, :]

@@ -1,13 +1,14 @@
 """transformers' own float32 logits of token rows for a Hugging Face checkpoint directory.
 
     <python with transformers and torch> MaxText/utils/ckpt_conversion/hf_reference.py \\
-        --hf_dir DIR --tokens rows.npy --out logits.npy [--stream]
+        --hf_dir DIR --tokens rows.npy --out logits.npy [--stream | --generate N]
 
 DIR holds config.json and safetensors (one model.safetensors, or shards listed by model.safetensors.index.json).
 rows.npy is an integer array [B, L] of token ids; logits.npy gets transformers' logits [B, L, V] as float32, the
 model built by AutoModelForCausalLM (deepseek_v3, deepseek_v2, mixtral, qwen3_moe, any causal LM transformers
 knows) from local files only, computed in float32 whatever the stored dtype, with transformers' eager attention
-and eager experts (the plain definitions in its modelling files, no kernel choice involved).
+and eager experts (the plain definitions in its modelling files, no kernel choice involved). --generate N writes
+instead transformers' greedy continuation of each row, N token ids [B, N] (model.generate with its own KV cache).
 
 DeepSeek's FP8 release form (config.json quantization_config {"quant_method": "fp8", "weight_block_size": [128,
 128], ...}; each quantized weight W float8_e4m3fn [out, in] with a float32 W_scale_inv [ceil(out/128),
@@ -383,6 +384,25 @@ def reference_logits(hf_dir: str, rows: np.ndarray | None = None, tokens: str | 
     return logits.to(torch.float32).numpy()
 
 
+def reference_greedy(hf_dir: str, tokens: str, steps: int) -> np.ndarray:
+    """transformers' own greedy continuation [B, steps] (int32) of the token rows: model.generate with its KV cache,
+    no sampling, exactly `steps` tokens (an EOS does not stop it), in float32."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    config, fp8_block = load_config(hf_dir)
+    checkpoint = Checkpoint(hf_dir, fp8_block)
+    rows = read_tokens(tokens, config.get_text_config().vocab_size)
+    model = whole_model(hf_dir, config, checkpoint)
+    input_ids = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=0)
+    return out[:, rows.shape[1]:].numpy().astype(np.int32)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf_reference.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -391,11 +411,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="where to write the float32 logits [B, L, V] (.npy)")
     parser.add_argument("--stream", action="store_true",
                         help="one stage (embedding, decoder layer, norm, head) in memory at a time")
+    parser.add_argument("--generate", type=int, metavar="N",
+                        help="write transformers' greedy continuation of each row, N token ids [B, N], instead")
     args = parser.parse_args(argv)
     try:
         # Before the work, which can take hours for a large checkpoint.
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise InputError(f"cannot write {args.out}: its directory does not exist")
+        if args.generate is not None:
+            if args.stream or args.generate < 1:
+                raise InputError("--generate N takes N >= 1 and the whole model (not --stream)")
+            np.save(args.out, reference_greedy(args.hf_dir, args.tokens, args.generate))
+            return 0
         logits = reference_logits(args.hf_dir, tokens=args.tokens, stream=args.stream)
         np.save(args.out, logits)
     except InputError as e:
