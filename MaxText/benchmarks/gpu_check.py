@@ -123,7 +123,7 @@ def check_kernels(kit: Kit) -> dict:
     if jax.default_backend() != "gpu":  # --smoke on a CPU: every test would skip
         return {"status": "skipped", "reason": f"the kernel tests need an NVIDIA GPU ({jax.default_backend()} here)"}
     files = ([] if kit.te_missing else [os.path.join("tests", "test_te_dropless.py")]) + [
-        os.path.join("tests", "test_attention_cudnn.py")]
+        os.path.join("tests", "test_attention_cudnn.py"), os.path.join("tests", "test_decode.py")]
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", *files]
     rc, out, timed_out = run_subprocess(cmd, subprocess_env(JAX_PLATFORMS=""), KERNEL_TESTS_TIMEOUT_S)
     lines = out.strip().splitlines() or ["(no output)"]

@@ -140,11 +140,20 @@ def dense_weights(cfg) -> dict[str, DenseWeight]:
     return out
 
 
-def nvfp4_without_rht(cfg) -> list[str]:
-    """The dense GEMMs te_nvfp4 runs without its Hadamard transform (widths not multiples of 128:
-    linear.nvfp4_rht), for the run's first lines; [] for any other quantization."""
-    from MaxText.layers.linear import nvfp4_rht  # noqa: PLC0415  (the layers import this module)
+RHT_WIDTH = 128  # TE's fused Hadamard-transform cast takes matrices whose columns are multiples of 128
 
+
+def nvfp4_rht(quantization: str, width_in: int, width_out: int) -> bool:
+    """Whether a GEMM of these widths takes te_nvfp4's random Hadamard transform (linear.dense_gemm): its weight
+    gradient's operands (x and the output gradient, [tokens, width_in] and [tokens, width_out]) must both be RHT'd
+    or neither, and TE's kernel needs their widths to be multiples of 128 (the tokens, of 64:
+    check_quantized_gemms)."""
+    return quantization == "te_nvfp4" and width_in % RHT_WIDTH == 0 and width_out % RHT_WIDTH == 0
+
+
+def nvfp4_without_rht(cfg) -> list[str]:
+    """The dense GEMMs te_nvfp4 runs without its Hadamard transform (widths not multiples of 128: nvfp4_rht), for
+    the run's first lines; [] for any other quantization."""
     if cfg.quantization != "te_nvfp4":
         return []
     return [name for name, weight in dense_weights(cfg).items() if not nvfp4_rht(cfg.quantization, *weight.widths)]
@@ -156,7 +165,7 @@ def check_quantized_gemms(cfg) -> None:
     tokens of one device's micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length
     (TE blocks the activations' second dim), for NVFP4 both multiples of 64. Each weight is gathered whole before
     TE quantizes it (linear.gathered). te_nvfp4's Hadamard transform needs widths that are multiples of 128 as
-    well: a GEMM whose widths are not runs without it (linear.nvfp4_rht; the run's first lines name it)."""
+    well: a GEMM whose widths are not runs without it (nvfp4_rht; the run's first lines name it)."""
     if cfg.quantization == "none":
         return
     nvfp4 = cfg.quantization.startswith("te_nvfp4")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from MaxText.config.checks import nvfp4_rht
 from MaxText.config.schema import QUANTIZATION_RECIPES
 from MaxText.layers.moe.te_kernels import quantizer_set
 from MaxText.layers.moe.te_runtime import import_te
@@ -65,16 +66,6 @@ def _next_stream():
         return None
     _STREAMS[-1][1] += 1
     return jax.random.fold_in(_STREAMS[-1][0], _STREAMS[-1][1])
-
-
-RHT_WIDTH = 128  # TE's fused Hadamard-transform cast takes matrices whose columns are multiples of 128
-
-
-def nvfp4_rht(quantization: str, width_in: int, width_out: int) -> bool:
-    """Whether a GEMM of these widths takes te_nvfp4's random Hadamard transform: its weight gradient's operands
-    (x and the output gradient, [tokens, width_in] and [tokens, width_out]) must both be RHT'd or neither, and
-    TE's kernel needs their widths to be multiples of 128 (the tokens, of 64: checks.check_quantized_gemms)."""
-    return quantization == "te_nvfp4" and width_in % RHT_WIDTH == 0 and width_out % RHT_WIDTH == 0
 
 
 def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=None):

@@ -22,7 +22,8 @@ checkpoint (.../checkpoints/<step>) or an imported one; without it the model is 
 Decoding computes what training computes, except: the dense GEMMs in the activation dtype (`quantization` is a
 training precision; TE's quantized GEMMs take whole blocks of tokens), the routed experts on the pure-JAX dropless
 path when moe_impl=te_dropless (TE's kernels and NCCL EP are sized for training batches; the routing and the
-experts' arithmetic are the same), and no batch split. Each is said on the console when it applies.
+experts' arithmetic are the same) with worst-case receive buffers (a bounded ragged_buffer_factor could drop a
+step's tokens), no batch split and no token chunks. The first two are said on the console when they apply.
 """
 
 from __future__ import annotations
@@ -46,11 +47,17 @@ def decode_config(cfg, log=print):
         changes["quantization"] = "none"
         log(f"decode: the dense GEMMs in {cfg.dtype} (quantization={cfg.quantization} is a training precision)")
     if cfg.moe_impl == "te_dropless":
-        changes["moe_impl"] = "ragged"
+        changes.update(moe_impl="ragged", te_gmm_quantization="none", te_moe_block=None)
         log("decode: the routed experts on moe_impl=ragged (the same dropless routing and experts in pure JAX; TE's "
             "kernels and NCCL EP are sized for training batches)")
+    if cfg.ragged_buffer_factor is not None and cfg.moe_impl != "dense":
+        # a step's few tokens on bounded receive buffers could overflow; the worst case costs nothing at this size
+        changes.update(ragged_buffer_factor=None, moe_dropless_fallback=None, retry_dropless_first_steps=0,
+                       first_phase_ragged_buffer_factor=0.0)
     if cfg.use_batch_split_schedule:
         changes["use_batch_split_schedule"] = False
+    if cfg.num_moe_token_chunks > 1:  # a schedule of the exchange, the same numbers: a step has too few tokens
+        changes["num_moe_token_chunks"] = 1
     return replace(cfg, **changes) if changes else cfg
 
 

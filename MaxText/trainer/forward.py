@@ -50,6 +50,7 @@ def read_tokens(path: str, vocab_size: int, key: str = "--tokens ") -> np.ndarra
 
 def load_params_or_init(cfg, mesh, spec, log=print):
     """(params, routing biases or None) in spec's shardings: load_parameters_path's, else a fresh init (said)."""
+    # here, not at the top: JAX loads only after the arguments pass their checks (as in model_and_params)
     from MaxText.step.state import create_state
     from MaxText.trainer import checkpointing
 
@@ -65,6 +66,7 @@ def load_params_or_init(cfg, mesh, spec, log=print):
 
 def batch_shards(mesh) -> int:
     """How many ways the batch splits on this mesh (rows are padded to a multiple of it)."""
+    # here, not at the top: JAX loads only after the arguments pass their checks (as in model_and_params)
     from MaxText.parallel import sharding
 
     return math.prod(mesh.shape[a] for a in sharding.DATA_AXES)
