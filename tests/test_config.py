@@ -331,12 +331,15 @@ def _axes(shape: dict) -> dict:
 
 
 MESH_CASES = [
-    ([], dict(data=1, fsdp=8, expert=1, tensor=1)),
-    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], dict(data=1, fsdp=2, expert=4, tensor=1)),
+    ([], dict(data=1, fsdp=8, context=1, expert=1, tensor=1)),
+    (["ici_fsdp_parallelism=2", "ici_expert_parallelism=4"], dict(data=1, fsdp=2, context=1, expert=4, tensor=1)),
     (["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
-     dict(data=2, fsdp=2, expert=1, tensor=2)),
-    (["dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4"], dict(data=1, fsdp=8, expert=1, tensor=1)),
-    (["ici_fsdp_parallelism=2", "ici_data_parallelism=-1"], dict(data=4, fsdp=2, expert=1, tensor=1)),
+     dict(data=2, fsdp=2, context=1, expert=1, tensor=2)),
+    (["dcn_fsdp_parallelism=2", "ici_fsdp_parallelism=4"], dict(data=1, fsdp=8, context=1, expert=1, tensor=1)),
+    (["ici_fsdp_parallelism=2", "ici_data_parallelism=-1"], dict(data=4, fsdp=2, context=1, expert=1, tensor=1)),
+    (["ici_fsdp_parallelism=2", "ici_context_parallelism=-1"], dict(data=1, fsdp=2, context=4, expert=1, tensor=1)),
+    (["ici_context_parallelism=2", "dcn_context_parallelism=2", "ici_fsdp_parallelism=2"],
+     dict(data=1, fsdp=2, context=4, expert=1, tensor=1)),
 ]
 
 

@@ -151,7 +151,7 @@ def test_command_line_table_json_and_errors(capsys):
     assert "682.64B total (671.03B without MTP)" in table and "verdict: fits in 184 GiB" in table, table
     assert plan_command.main([recipe, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["mesh"] == {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}
+    assert result["mesh"] == {"data": 1, "fsdp": 16, "context": 1, "expert": 8, "tensor": 1}
     assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
     assert plan_command.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
     err = capsys.readouterr().err

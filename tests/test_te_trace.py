@@ -382,7 +382,7 @@ def test_ep_bootstrap_sees_a_concrete_mesh(te_standin, monkeypatch):
     with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         te_runtime.bootstrap_ep(cfg, mesh, global_batch)
     tokens = global_batch * cfg.max_target_length // 8
-    assert seen["devices"] == (1, 2, 4, 1) and seen["domain"] == (4, 1, 2), seen  # device 5: fsdp 1, expert 1
+    assert seen["devices"] == (1, 2, 1, 4, 1) and seen["domain"] == (4, 1, 2), seen  # device 5: fsdp 1, expert 1
     assert seen["world_size"] == 8 and seen["max_tokens_per_rank"] == tokens and seen["hidden_dim"] == cfg.base_emb_dim
     assert seen["recv_capacity_per_rank"] == te_moe.get_moe_recv_capacity_per_rank(
         num_experts=8, num_experts_per_tok=cfg.num_experts_per_tok, max_tokens_per_rank=tokens, ep_size=4)

@@ -76,7 +76,7 @@ def _number(x: float | None) -> str:
     return f"{x:g}" if x is not None else ""
 
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 MOE_IMPLS = ("dense", "ragged", "te_dropless")
 DROPLESS_FALLBACKS = ("step", "layer")
 REMAT_POLICIES = ("full", "minimal", "none", "custom")
@@ -269,6 +269,9 @@ SCHEMA: dict[str, Key] = {
         'pure data parallelism inside a node'),
     "ici_fsdp_parallelism": Key(int, low=1, also=ABSORB, doc=
         'fully-sharded data parallelism inside a node'),
+    "ici_context_parallelism": Key(int, low=1, also=ABSORB, doc=
+        'context parallelism inside a node: each sequence split over this many devices (keys and values gathered '
+        'in attention)'),
     "ici_expert_parallelism": Key(int, low=1, also=ABSORB, doc=
         'expert parallelism inside a node (routed experts sharded; other layers use it for batch)'),
     "ici_tensor_parallelism": Key(int, low=1, also=ABSORB, doc=
@@ -276,10 +279,17 @@ SCHEMA: dict[str, Key] = {
     "dcn_data_parallelism": Key(int, low=1, also=ABSORB, doc=
         'data parallelism across nodes (-1: the number of slices, 1 on one node)'),
     "dcn_fsdp_parallelism": Key(int, low=1, also=ABSORB, doc='fsdp across nodes'),
+    "dcn_context_parallelism": Key(int, low=1, also=ABSORB, doc='context parallelism across nodes'),
     "dcn_expert_parallelism": Key(int, low=1, also=ABSORB, doc=
         'expert parallelism across nodes'),
     "dcn_tensor_parallelism": Key(int, low=1, also=ABSORB, doc=
         'tensor parallelism across nodes'),
+    "context_parallel_strategy": Key(str, choices=("all_gather",), doc=
+        "context parallelism's attention: all_gather (each device's queries against the sequence's keys and values, "
+        "gathered over the context axis)"),
+    "context_parallel_load_balance": Key(bool, doc=
+        "upstream's reordering of causal chunks across the context axis; nothing to balance here (XLA's attention "
+        "computes every query block against every key): accepted either way, the same numbers"),
     "logical_axis_rules": Key(list, doc="[logical axis, [mesh axes]] pairs; earlier rules win"),
 
     # training

@@ -148,18 +148,19 @@ GROUPS: tuple[Group, ...] = (
                 "own MoE model files set enable_dropout: false, and its default rate is 0)", "dropout_rate"),
     _g(REFUSED, "the model's activation is SwiGLU (silu x linear) in every MLP and expert here",
        "mlp_activations"),
-    _g(REFUSED, "a parallelism or sharding scheme this trainer does not have (its mesh is data x fsdp x expert x "
-                "tensor, its rules logical_axis_rules)",
-       "dcn_diloco_parallelism dcn_fsdp_transpose_parallelism dcn_sequence_parallelism dcn_context_parallelism "
+    _g(REFUSED, "a parallelism or sharding scheme this trainer does not have (its mesh is data x fsdp x context x "
+                "expert x tensor, its rules logical_axis_rules)",
+       "dcn_diloco_parallelism dcn_fsdp_transpose_parallelism dcn_sequence_parallelism "
        "dcn_context_usp_ulysses_parallelism dcn_context_autoregressive_parallelism "
        "dcn_tensor_sequence_parallelism dcn_pipeline_parallelism dcn_autoregressive_parallelism "
-       "ici_diloco_parallelism ici_fsdp_transpose_parallelism ici_sequence_parallelism ici_context_parallelism "
+       "ici_diloco_parallelism ici_fsdp_transpose_parallelism ici_sequence_parallelism "
        "ici_context_usp_ulysses_parallelism ici_context_autoregressive_parallelism ici_tensor_sequence_parallelism "
        "ici_autoregressive_parallelism ici_pipeline_parallelism num_layers_per_pipeline_stage num_pipeline_repeats "
        "pipeline_parallel_layers num_pipeline_microbatches pipeline_delay_activation_forwarding "
        "pipeline_fsdp_ag_once pipeline_fsdp_ag_per_repeat scan_pipeline_iterations scan_pipeline_repeats "
        "scan_layers_per_stage set_remat_policy_on_pipeline_iterations set_remat_policy_on_layers_per_stage "
-       "context_parallel_* shard_mode custom_mesh_and_rule custom_mesh_and_rule_for_eval mesh_axes data_sharding "
+       "context_parallel_reorder_strategy shard_mode custom_mesh_and_rule custom_mesh_and_rule_for_eval mesh_axes "
+       "data_sharding "
        "input_data_sharding_logical_axes context_sharding ulysses_context_sharding logical_axis_rules_for_eval "
        "shard_optimizer_over_data dense_fsdp_use_two_stage_all_gather moe_fsdp_use_two_stage_all_gather "
        "shard_exp_on_fsdp shard_embed_moe_on_fsdp use_2d_fsdp_sharding defer_small_all_reduces vocab_tiling_ag_once "
@@ -322,6 +323,9 @@ REFUSED_VALUES = {
     ("opt_type", "sgd"): "only adamw is built here",
     ("opt_type", "muon"): "only adamw is built here",
     ("rope_type", "llama3.1"): "Llama 3.1's RoPE scaling is not built here (default or yarn)",
+    **{("context_parallel_strategy", value): "only the all-gather strategy is built here (each device's queries "
+                                             "against the gathered keys and values); use all_gather"
+       for value in ("ring", "ulysses", "usp")},
     ("quantization", "te_fp8_delayedscaling"): "delayed scaling keeps an amax history per GEMM, which this trainer "
                                                "does not carry in its state or checkpoints; use "
                                                "te_fp8_currentscaling (the same FP8 GEMMs, each scaled by its "
@@ -405,7 +409,7 @@ def apply(values: dict[str, Any], defaults: dict[str, Any], foreign: dict[str, t
         logging.warning("config: MaxText keys with no effect here (README: Coming from MaxText): %s",
                         ", ".join(sorted(noop)))
     for key in ("attention_type", "attention", "te_gmm_quantization", "quantization", "routed_score_func", "hardware",
-                "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy"):
+                "dataset_type", "profiler", "opt_type", "rope_type", "remat_policy", "context_parallel_strategy"):
         value = values[key]
         if (key, value) in REFUSED_VALUES:
             raise ConfigError(f"{key}={value} is a MaxText value this trainer does not support: "

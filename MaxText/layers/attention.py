@@ -52,6 +52,7 @@ class Attention(DenseGemms, nnx.Module):
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
         q, k, v = self._qkv(x_BLD, positions_BL)
+        k, v = (whole_sequence(a, ("activation_batch", None, "activation_kv_heads", None), self.rules) for a in (k, v))
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
                              rules=self.rules)
         return self._out(out_BLHK)
@@ -87,6 +88,16 @@ class Attention(DenseGemms, nnx.Module):
         cache = {"k": write_cache(cache["k"], k, start), "v": write_cache(cache["v"], v, start)}
         out_BTHK = cached_attention(q, cache["k"], cache["v"], start, scale=q.shape[-1] ** -0.5)
         return self._out(out_BTHK), cache
+
+
+def whole_sequence(x, logical_axes, rules):
+    """Context parallelism's all-gather strategy: x [B, L, ...] (keys, values, or MLA's latent) constrained to its
+    logical axes with the length whole, so that XLA gathers it over the context axis and each device's queries meet
+    every key; the queries stay split. Nothing without a context axis of more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty or mesh.shape.get("context", 1) == 1:
+        return x
+    return constrain(x, logical_axes, rules)
 
 
 def write_cache(cache_BS, new_BT, start):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.attention import attention, write_cache
+from MaxText.layers.attention import attention, whole_sequence, write_cache
 from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
@@ -94,8 +94,11 @@ class MLA(DenseGemms, nnx.Module):
         b, l, _ = x_BLD.shape
         q_BLHK = self._query(x_BLD, positions_BL)
         c_BLR, k_pe_BL1P = self._latent(x_BLD, positions_BL)
+        # Context parallelism gathers the latent (Rkv + P numbers a token), not the keys and values it expands to.
+        c_BLR = whole_sequence(c_BLR, ("activation_batch", None, None), self.rules)
+        k_pe_BL1P = whole_sequence(k_pe_BL1P, ("activation_batch", None, None, None), self.rules)
         kv_BLHK = self._gemm("blr,rhk->blhk", c_BLR, "wkv_b")
-        kv_BLHK = constrain(kv_BLHK, _HEADS, self.rules)
+        kv_BLHK = constrain(kv_BLHK, ("activation_batch", None, "activation_heads", None), self.rules)  # length whole
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
         h = k_nope.shape[2]
         k_pe_BLHP = jnp.broadcast_to(k_pe_BL1P, (b, l, h, k_pe_BL1P.shape[-1]))

@@ -22,9 +22,34 @@ def check_mesh(cfg, shape: dict) -> None:
         raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
                           f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
     check_tensor_split(cfg, shape["tensor"])
+    check_context(cfg, shape["context"])
     devices = math.prod(shape[a] for a in MESH_AXES)
     check_batch(cfg, shape, global_batch_size(cfg, devices))
     check_nccl_ep(cfg, shape)
+
+
+def check_context(cfg, context: int) -> None:
+    """Context parallelism splits every sequence in `context` equal pieces, attention through XLA (the
+    all-gather strategy); what it does not take yet is refused in one line."""
+    if context == 1:
+        return
+    axes = "ici_context_parallelism/dcn_context_parallelism"
+    length = next((rule[1] for rule in cfg.logical_axis_rules if rule[0] == "activation_length"), None)
+    if "context" not in ([length] if isinstance(length, str) else list(length or [])):
+        raise ConfigError(f"{axes} = {context} but logical_axis_rules does not split activation_length over "
+                          "'context' (every context device would compute the whole sequence); add "
+                          "['activation_length', ['context']]")
+    if cfg.max_target_length % context:
+        raise ConfigError(f"max_target_length={cfg.max_target_length} does not split over the context axis of size "
+                          f"{context}; change {axes} or max_target_length")
+    if cfg.attention == "cudnn_flash":
+        raise ConfigError(f"attention=cudnn_flash with context parallelism ({axes} = {context}) is not built here: "
+                          "cuDNN's kernel does not take a query block against the gathered keys yet; use "
+                          "attention=chunked")
+    if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and cfg.num_experts > 1:
+        raise ConfigError(f"moe_impl=te_dropless (TE's kernels, NCCL EP) with context parallelism ({axes} = "
+                          f"{context}) is not built yet; use moe_impl=ragged (the same dropless MoE in pure JAX) "
+                          "or te_kernels=reference")
 
 
 def check_tensor_split(cfg, tensor: int) -> None:

@@ -1,4 +1,4 @@
-"""The device mesh (axes data, fsdp, expert, tensor) and logical-axis -> mesh-axis shardings.
+"""The device mesh (axes data, fsdp, context, expert, tensor) and logical-axis -> mesh-axis shardings.
 
 Model code names logical axes only; `logical_axis_rules` (base.yml) maps them onto the mesh here.
 """
@@ -55,7 +55,7 @@ def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> dict[str, int]:
 
 
 def device_grid(cfg, devices) -> np.ndarray:
-    """The devices arranged as the mesh [data, fsdp, expert, tensor]. XLA gives each GPU host (or each
+    """The devices arranged as the mesh [data, fsdp, context, expert, tensor]. XLA gives each GPU host (or each
     multi-node NVLink domain) its own slice_index; with more than one slice the dcn_* sizes must multiply to
     the number of slices (mesh_shape) and the ici_* sizes to the devices of one. Ordered by (slice, process,
     id), every ICI block is then exactly one slice, whatever order the scheduler numbered the processes in
@@ -87,10 +87,14 @@ def create_mesh(cfg, devices=None) -> Mesh:
 
 
 def axis_rules(cfg) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """logical_axis_rules as flax expects them: (logical name, tuple of mesh axes)."""
+    """logical_axis_rules as flax expects them: (logical name, tuple of mesh axes). Without context parallelism the
+    `context` axis (one device) is left out, so that every spec is what it was before the axis existed (TE's
+    partitioners read the specs of the arrays they are given)."""
+    unsplit = {"context"} if cfg.ici_context_parallelism == 1 and cfg.dcn_context_parallelism == 1 else set()
     rules = []
     for name, axes in cfg.logical_axis_rules:
         axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        axes = tuple(a for a in axes if a not in unsplit)
         rules.append((name, axes or None))
     return tuple(rules)
 

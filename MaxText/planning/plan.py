@@ -393,6 +393,10 @@ def plan(cfg, hbm_gib: float | None = None, collectives: list[dict] | None = Non
     collectives.by_group, which the step-time model then uses."""
     num_devices = planned_devices(cfg)
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
+    if mesh_shape["context"] > 1:
+        raise ConfigError(f"MaxText.plan does not model context parallelism yet (a context axis of "
+                          f"{mesh_shape['context']}: ici_context_parallelism x dcn_context_parallelism); its gathered "
+                          "keys and values are not counted: plan the layout without it")
     spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
     counts = parameter_counts(cfg, spec.abstract["params"])
     memory, acts = device_bytes(cfg, spec, mesh_shape, num_devices)

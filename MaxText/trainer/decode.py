@@ -56,6 +56,13 @@ def decode_config(cfg, log=print):
                        first_phase_ragged_buffer_factor=0.0)
     if cfg.use_batch_split_schedule:
         changes["use_batch_split_schedule"] = False
+    for group in ("ici", "dcn"):  # a step's one token does not split: context parallelism's devices shard FSDP
+        context, fsdp = cfg[f"{group}_context_parallelism"], cfg[f"{group}_fsdp_parallelism"]
+        if context != 1:
+            changes[f"{group}_context_parallelism"] = 1
+            changes[f"{group}_fsdp_parallelism"] = -1 if context == -1 or fsdp == -1 else fsdp * context
+            log(f"decode: {group}_context_parallelism={context} folded into {group}_fsdp_parallelism (a decode step's "
+                "token does not split)")
     if cfg.num_moe_token_chunks > 1:  # a schedule of the exchange, the same numbers: a step has too few tokens
         changes["num_moe_token_chunks"] = 1
     return replace(cfg, **changes) if changes else cfg

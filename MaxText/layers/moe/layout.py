@@ -109,6 +109,10 @@ def mesh_layout(rules) -> MeshLayout:
     if rules is None or mesh.empty:
         return LOCAL
     # config.check_logical_axis_rules makes sure `expert` splits the batch too when it splits the experts.
-    return MeshLayout(_mesh_axes("activation_batch", rules), _mesh_axes("activation_mlp", rules),
+    # Tokens [B * L] split over the batch axes, then over the length's with context parallelism (B's shards are the
+    # major ones when [B, L] flattens).
+    tokens = _mesh_axes("activation_batch", rules) + tuple(
+        a for a in _mesh_axes("activation_length", rules) if mesh.shape.get(a, 1) > 1)
+    return MeshLayout(tokens, _mesh_axes("activation_mlp", rules),
                       mesh.shape.get("expert", 1),
                       _axes(logical_to_spec(("exp", "embed", "mlp"), rules)[1]))  # how the weights' D is split

@@ -1,0 +1,101 @@
+"""Context parallelism (ici_context_parallelism, the all-gather strategy): each sequence split over the `context` mesh
+axis gives the loss, the MoE statistics and every gradient of one device, for GQA and MLA (which gathers its latent),
+the routed experts on the pure-JAX dropless path with expert parallelism beside, MTP, packed documents (two a row,
+a padded tail) and all-to-one routing. What it does not take yet is refused in one line."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText.config.errors import ConfigError
+from MaxText.config.load import load_config
+from MaxText.parallel import sharding
+from tests.test_batch_split import BIASES, MODEL, _batch, _loss_and_grads
+from tests.test_moe_impls import _relative_close
+from tests.tiny import TINY, args, tiny_config
+
+MESHES = {  # name -> ici overrides on 8 devices
+    "context2_fsdp4": ["ici_fsdp_parallelism=4", "ici_context_parallelism=2"],
+    "context4_expert2": ["ici_fsdp_parallelism=1", "ici_context_parallelism=4", "ici_expert_parallelism=2"],
+    "data2_context2_expert2": ["ici_data_parallelism=2", "ici_fsdp_parallelism=1", "ici_context_parallelism=2",
+                               "ici_expert_parallelism=2"],
+}
+MODELS = {  # name -> overrides of tests/tiny.py's TINY (+ test_batch_split's MODEL: DeepSeek's routing, MTP)
+    "GQA": ["moe_impl=ragged"],
+    "MLA": ["attention_type=mla", "q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8",
+            "v_head_dim=8", "moe_impl=ragged", "attention=chunked", "attention_chunk_size=8"],
+}
+_ONE = {}  # model -> one device's results
+
+
+def _results(model: str, mesh_args: list, devices: int):
+    cfg = tiny_config(*MODEL, *MODELS[model], *mesh_args)
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+    batch = _batch(int(devices * cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
+    run = _loss_and_grads(cfg, mesh)
+    with jax.set_mesh(mesh):
+        return {name: jax.device_get(run(batch, jnp.asarray(bias, jnp.float32))) for name, bias in BIASES.items()}
+
+
+@pytest.mark.parametrize("model,mesh", [("GQA", "context4_expert2"), ("MLA", "context2_fsdp4"),
+                                        ("MLA", "data2_context2_expert2")])
+def test_context_parallelism_gives_one_devices_numbers(model, mesh):
+    if model not in _ONE:  # the same global batch (16 rows) on one device
+        _ONE[model] = _results(model, ["ici_fsdp_parallelism=1", "per_device_batch_size=16"], 1)
+    got = _results(model, [*MESHES[mesh]], 8)
+    for name in BIASES:
+        label = f"{model} on {mesh}, routing {name}"
+        want, have = _ONE[model][name], got[name]
+        load = np.asarray(want[1]["moe"]["load_E"]).sum(0)
+        assert (set(np.flatnonzero(load)) == {3, 6}) == (name == "all_to_one"), f"{label}: set-up, load {load}"
+        np.testing.assert_allclose(float(have[0]), float(want[0]), rtol=1e-5, err_msg=f"{label}: loss")
+        for what, i in (("stat", 1), ("gradient", 2)):
+            flat = dict(jax.tree_util.tree_flatten_with_path(have[i])[0])
+            for path, w in jax.tree_util.tree_flatten_with_path(want[i])[0]:
+                _relative_close(flat[path], w, 1e-5, f"{label}: {what} {jax.tree_util.keystr(path)}")
+
+
+def test_the_sequence_is_split_and_the_keys_gathered():
+    """The lowered step on context 4 x expert 2 holds each device's quarter of every sequence and all-gathers the
+    keys and values (GQA) over the context axis: the strategy is the one claimed, not XLA's own choice."""
+    cfg = tiny_config(*MODEL, *MODELS["GQA"], *MESHES["context4_expert2"])
+    mesh = sharding.create_mesh(cfg)
+    batch = _batch(8 * int(cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
+    run = _loss_and_grads(cfg, mesh)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda b: run(b, jnp.zeros(8, jnp.float32))).lower(batch).compile().as_text()
+    # keys / values [rows, L, kv heads 2, head_dim 8] gathered along L (dimension 1), 2 groups of the 4 context devices
+    gathered = [line for line in hlo.splitlines() if re.search(
+        r"= f32\[\d+,16,2,8\]\{[^}]*\} all-gather\(.*replica_groups=\[2,4\].*dimensions=\{1\}", line)]
+    assert len(gathered) >= 2 * cfg.base_num_decoder_layers, "keys and values are not gathered over the context axis"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["max_target_length=18"], "max_target_length=18 does not split over the context axis of size 4"),
+    (["attention=cudnn_flash"], "attention=cudnn_flash with context parallelism"),
+    (["moe_impl=te_dropless"], "moe_impl=te_dropless (TE's kernels, NCCL EP) with context parallelism"),
+    (["context_parallel_strategy=ring"], "only the all-gather strategy is built here"),
+    (["logical_axis_rules=[['activation_batch', ['data', 'fsdp', 'expert']], ['exp', ['expert']]]"],
+     "logical_axis_rules does not split activation_length over 'context'"),
+])
+def test_what_context_parallelism_does_not_take_is_one_line(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg = load_config(["configs/base.yml", *args(TINY, MESHES["context4_expert2"], extra)])
+        sharding.mesh_shape(cfg, 8)
+
+
+def test_decode_folds_the_context_axis_into_fsdp():
+    """A decode step's one token does not split: MaxText.decode runs a context-parallel config's devices as FSDP."""
+    from MaxText.trainer import decode
+
+    cfg = load_config(["configs/base.yml", *args(TINY, MESHES["context4_expert2"])])
+    lines = []
+    out = decode.decode_config(cfg, log=lines.append)
+    shape = sharding.mesh_shape(out, 8)
+    assert (shape["fsdp"], shape["context"], shape["expert"]) == (4, 1, 2), shape
+    assert any("ici_context_parallelism=4 folded into ici_fsdp_parallelism" in line for line in lines), lines
