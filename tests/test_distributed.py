@@ -31,7 +31,7 @@ def test_two_processes_train_together_like_one(tmp_path):
                             env=env, capture_output=True, text=True, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    assert "mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in out, out
+    assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'expert': 1, 'tensor': 1}" in out, out
     with open(tmp_path / "two" / "metrics" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == [1, 2, 3, 4], "process 0, and only it, logs each step once"
@@ -64,7 +64,7 @@ def test_two_processes_each_read_their_own_shard_of_a_grain_corpus(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert "mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in outs[0], outs[0]
+    assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'expert': 1, 'tensor': 1}" in outs[0], outs[0]
     with open(tmp_path / "two" / "checkpoints" / "2" / "input" / "metadata") as f:
         saved = json.load(f)
     cfg = load_config(argv + ["grain_worker_count=0"])

@@ -119,9 +119,9 @@ def test_gb200_slices_are_nvlink_domains():
     devices = simulated_devices(GPU_PROFILES["gb200-nvl72"], 128)
     assert len({d.slice_index for d in devices}) == 2 and len({d.host for d in devices}) == 32
     grid = sharding.device_grid(cfg, devices)
-    assert grid.shape == (1, 16, 8, 1)
+    assert grid.shape == (1, 16, 1, 8, 1)  # data, fsdp, context, expert, tensor
     for fsdp in range(16):
-        assert len({d.slice_index for d in grid[0, fsdp, :, 0]}) == 1, f"expert group {fsdp} crosses racks"
+        assert len({d.slice_index for d in grid[0, fsdp, 0, :, 0]}) == 1, f"expert group {fsdp} crosses racks"
 
 
 def test_uneven_slices_are_refused():
