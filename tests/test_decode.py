@@ -38,6 +38,17 @@ def _greedy_uncached(model, prompt_BL, steps):
     return np.asarray(tokens[:, prompt_BL.shape[1]:]), np.stack(logits, axis=1)
 
 
+def _fresh_model(cfg):
+    """The model with the params the generator starts from without load_parameters_path (create_state's init)."""
+    from MaxText.parallel import sharding
+    from MaxText.step.state import create_state, state_spec
+
+    mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+    spec = state_spec(cfg, mesh)
+    state = create_state(cfg, mesh, spec)
+    return nnx.merge(spec.graphdef, state["params"], *([state["nnx_aux"]] if "nnx_aux" in state else []))
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_cached_decoding_equals_recomputing_the_sequence(name):
     """Prefill then one token at a time through the cache: every step's logits within float32 rounding of the
@@ -72,15 +83,7 @@ def test_the_generator_shards_like_training_and_decodes_what_one_device_does():
                              log=lambda *_: None)(prompts)
     assert one.shape == (3, 7)
     np.testing.assert_array_equal(eight, one)
-    cfg = _config(name, *extra)
-    from MaxText.parallel import sharding
-    from MaxText.step.state import create_state, state_spec
-
-    mesh = sharding.create_mesh(cfg, jax.devices()[:1])
-    spec = state_spec(cfg, mesh)
-    state = create_state(cfg, mesh, spec)
-    model = nnx.merge(spec.graphdef, state["params"], state["nnx_aux"])
-    want, _ = _greedy_uncached(model, jnp.asarray(prompts), 7)
+    want, _ = _greedy_uncached(_fresh_model(_config(name, *extra)), jnp.asarray(prompts), 7)
     np.testing.assert_array_equal(one, want)
 
 
@@ -93,14 +96,7 @@ def test_decoding_on_a_gpu_gives_the_uncached_greedy_tokens(dtype):
     for name in ("MLA (deepseek3-tiny), YaRN, MoE with bias and groups", "GQA, MoE, scanned"):
         cfg = _config(name, f"dtype={dtype}", "max_prefill_predict_length=5", "max_target_length=10")
         got = decode.generator(cfg, log=lambda *_: None)(np.arange(3, 13, dtype=np.int32).reshape(2, 5))
-        from MaxText.parallel import sharding
-        from MaxText.step.state import create_state, state_spec
-
-        mesh = sharding.create_mesh(cfg, jax.devices()[:1])
-        spec = state_spec(cfg, mesh)
-        state = create_state(cfg, mesh, spec)
-        model = nnx.merge(spec.graphdef, state["params"], *([state["nnx_aux"]] if "nnx_aux" in state else []))
-        want, _ = _greedy_uncached(model, jnp.arange(3, 13, dtype=jnp.int32).reshape(2, 5), 6)
+        want, _ = _greedy_uncached(_fresh_model(cfg), jnp.arange(3, 13, dtype=jnp.int32).reshape(2, 5), 6)
         if dtype == "float32":
             np.testing.assert_array_equal(got, want, err_msg=name)
         else:

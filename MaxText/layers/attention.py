@@ -105,11 +105,16 @@ def write_cache(cache_BS, new_BT, start):
     return jax.lax.dynamic_update_slice_in_dim(cache_BS, new_BT.astype(cache_BS.dtype), start, axis=1)
 
 
+def cached_mask(start, t: int, s: int):
+    """[T, S] True where new token i (at position start + i) sees cache position j: j <= start + i (the cache beyond
+    is unwritten or stale)."""
+    return jnp.arange(s)[None, :] <= (start + jnp.arange(t))[:, None]
+
+
 def cached_attention(q_BTHK, k_BSNK, v_BSNV, start, scale: float):
-    """Queries at positions start .. start + T - 1 against the cache's S positions, each seeing those up to its own
-    (the cache beyond is unwritten or stale): _softmax_values' core, as training's causal attention computes it."""
-    positions_T = start + jnp.arange(q_BTHK.shape[1])
-    mask_BTS = (jnp.arange(k_BSNK.shape[1])[None, :] <= positions_T[:, None])[None]
+    """Queries at positions start .. start + T - 1 against the cache's S positions (cached_mask): _softmax_values'
+    core, as training's causal attention computes it."""
+    mask_BTS = cached_mask(start, q_BTHK.shape[1], k_BSNK.shape[1])[None]
     return _softmax_values(q_BTHK, k_BSNK, v_BSNV, mask_BTS, scale)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.attention import attention, whole_sequence, write_cache
+from MaxText.layers.attention import attention, cached_mask, whole_sequence, write_cache
 from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
@@ -134,8 +134,7 @@ class MLA(DenseGemms, nnx.Module):
         q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope, w_kb)
         logits = (jnp.einsum("bthr,bsr->bhts", q_lat_BTHR, cache["c"], preferred_element_type=jnp.float32)
                   + jnp.einsum("bthp,bsp->bhts", q_pe, cache["k_pe"], preferred_element_type=jnp.float32))
-        positions_T = start + jnp.arange(x_BTD.shape[1])
-        mask_TS = jnp.arange(cache["c"].shape[1])[None, :] <= positions_T[:, None]
+        mask_TS = cached_mask(start, x_BTD.shape[1], cache["c"].shape[1])
         logits = jnp.where(mask_TS, logits * self.softmax_scale, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(cache["c"].dtype)
         out_BTHV = jnp.einsum("bthr,rhv->bthv", jnp.einsum("bhts,bsr->bthr", probs, cache["c"]), w_vb)

@@ -63,7 +63,8 @@ HARDWARE = {h.name: h for h in (
     Hardware("h800", 989, 1979, 0, 3.35, 200, 8, 50, 64, "Hopper compute as H100; NVLink 400 GB/s, CX7 400G"),
     Hardware("h200", 989, 1979, 0, 4.8, 450, 8, 50, 64, "H200 SXM datasheet: H100 compute, 4.8 TB/s"),
     Hardware("b200", 2250, 4500, 9000, 8.0, 900, 8, 50, 64, "HGX B200: 2.25/4.5/9 PF dense, NVLink 5, CX-7 400G"),
-    Hardware("gb200", 2500, 5000, 10000, 8.0, 900, 72, 50, 450, "GB200 NVL72: 2.5/5/10 PF dense, 900 GB/s per direction"),
+    Hardware("gb200", 2500, 5000, 10000, 8.0, 900, 72, 50, 450,
+             "GB200 NVL72: 2.5/5/10 PF dense, 900 GB/s per direction"),
     Hardware("gb300", 2500, 5000, 15000, 8.0, 900, 72, 100, 450, "GB300 NVL72: as GB200 for bf16/fp8, FP4 15 PF dense, "
              "CX-8 800G"),
 )}

@@ -398,6 +398,9 @@ def quantize(x, scale, amax, sr_rng_state, post_rht_amax, rht_matrix, *, out_dty
     return rowwise, colwise, row_sinv, col_sinv, new_amax, dbias  # the workspace: _checked
 
 
+RHT_SIZE = 16  # the random Hadamard transform's block: 16 consecutive elements of a row
+
+
 def _sr_key(sr_rng_state):
     """A JAX key from this shard's stochastic-rounding state (its first 4 uint32s; TE's partitioner hands each
     shard its own row) as TE's pure-JAX quantizer makes it (quantizer.py NVFP4Quantizer), which then draws one
@@ -436,15 +439,12 @@ def _nvfp4_quantize(x, amax, sr_rng_state, post_rht_amax, rht_matrix, *, mode, o
     if q_layout.has_colwise:
         source, col_amax = x2.T, amax
         if use_rht:
-            source = (source.reshape(-1, 16) @ rht_matrix.astype(jnp.float32)).reshape(cols, rows)
+            source = (source.reshape(-1, RHT_SIZE) @ rht_matrix.astype(jnp.float32)).reshape(cols, rows)
             col_amax = post_rht_amax
         data, scales = layouts.nv_quantize(source, col_amax, padded(col_shape, x.ndim - eff), out_dtype, scale_dtype,
                                            two_d=two_d, sr_key=key)
         colwise, col_sinv = data.reshape(x.shape[eff:] + x.shape[:eff]), scales.reshape(col_shape)
     return rowwise, colwise, row_sinv, col_sinv, amax, _nan((1,), x.dtype)  # the workspace: _checked
-
-
-RHT_SIZE = 16
 
 
 @reference("RHTAmaxCalculationPrimitive")

@@ -68,8 +68,9 @@ def decode_config(cfg, log=print):
     return replace(cfg, **changes) if changes else cfg
 
 
-def check_sampling(cfg) -> None:
-    """One line for a sampling strategy without the parameter it needs (upstream raises ValueError there)."""
+def check_decode(cfg) -> None:
+    """One line for a sampling strategy without the parameter it needs (upstream raises ValueError there), or a
+    prompt length past the sequence length."""
     strategy = cfg.decode_sampling_strategy
     if strategy in ("topk", "composite") and cfg.decode_sampling_top_k <= 0:
         raise ConfigError(f"decode_sampling_strategy={strategy} samples among the k likeliest tokens: set "
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
             tokens_out = args.tokens_out if args.tokens_out.endswith(".npy") else args.tokens_out + ".npy"
             check_output("--tokens_out", tokens_out, file=True)
         cfg = load_config(rest)
-        check_sampling(cfg)
+        check_decode(cfg)
         from MaxText.data.tokenizer import load_tokenizer  # noqa: PLC0415  (JAX-free, but only needed from here)
 
         tokenizer = load_tokenizer(cfg)
@@ -197,8 +198,8 @@ def main(argv=None) -> int:
             shown, described = [str(row.tolist()) for row in prompts], ""
         else:
             ids = encode(tokenizer, cfg.prompt, cfg.add_bos)
-            text = len(tokenizer.encode(cfg.prompt))
-            described = (f" ({'BOS and ' if len(ids) > text else ''}{text} "
+            bos = int(cfg.add_bos and tokenizer.bos_id is not None)  # encode put one in front
+            described = (f" ({'BOS and ' if bos else ''}{len(ids) - bos} "
                          f"{'bytes' if cfg.tokenizer_path is None else 'tokens of the text'})")
             if len(ids) == 0:
                 raise ConfigError("prompt is empty and add_bos adds nothing: give a prompt")

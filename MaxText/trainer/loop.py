@@ -114,7 +114,8 @@ def _train(cfg, log, devices, stop) -> dict | None:
            "moe_dropless_fallback)" if xla_exchange else "") + f", outputs in {run_dir}")
     no_rht = nvfp4_without_rht(cfg)
     if no_rht:
-        log(f"quantization=te_nvfp4: without the Hadamard transform (a width not a multiple of 128): {', '.join(no_rht)}")
+        log("quantization=te_nvfp4: without the Hadamard transform (a width not a multiple of 128): "
+            + ", ".join(no_rht))
     spec = state_spec(cfg, mesh)
     check_fits(cfg, spec, dict(mesh.shape), mesh.devices.size, log)  # too big: one line, not a hang in XLA
     # One trainer per run directory: taken before anything is written there, held until the run returns.

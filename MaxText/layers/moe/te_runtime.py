@@ -95,8 +95,8 @@ def check_available(cfg) -> None:
 
 
 def check_quantization(cfg, capability: float) -> None:
-    """te_gmm_quantization and quantization against the GPU generation: MXFP8 and NVFP4 need Blackwell, tensor-scaled FP8
-    SM 8.9 (Ada) or later. Tensor-scaled FP8 runs on Hopper and Blackwell alike: TE's Python quantizes and
+    """te_gmm_quantization and quantization against the GPU generation: MXFP8 and NVFP4 need Blackwell, tensor-scaled
+    FP8 SM 8.9 (Ada) or later. Tensor-scaled FP8 runs on Hopper and Blackwell alike: TE's Python quantizes and
     differentiates it at SM 9.0 and SM 10.0 (traced with te_trace, and executed against the references with
     te_reference; an SM 10 refusal here rested on a stale TE cache in the trace stand-in, notes/te.md §14.1)."""
     if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization == "mxfp8" and capability < 10.0:

@@ -95,8 +95,8 @@ class TwoHop(NamedTuple):
             lost = lost + jnp.sum(jnp.where(second.kept_U, 0, slots_U))
         x = second.x_XD.shape[0]
         local = self.local(self.num_local_experts, max_slots=min(x * j2, self.node * second_cap.slots))
-        x_RD, group_sizes_E, local_handle = local.dispatch(second.x_XD,
-                                                           received_pairs(second.payload_XW, j2, self.num_local_experts))
+        received = received_pairs(second.payload_XW, j2, self.num_local_experts)
+        x_RD, group_sizes_E, local_handle = local.dispatch(second.x_XD, received)
         return x_RD, group_sizes_E, TwoHopHandle(first, second, local, local_handle, q1, q2, lost)
 
     def combine(self, y_RD, h: TwoHopHandle):
