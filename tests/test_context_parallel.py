@@ -1,7 +1,9 @@
 """Context parallelism (ici_context_parallelism, the all-gather strategy): each sequence split over the `context` mesh
 axis gives the loss, the MoE statistics and every gradient of one device, for GQA and MLA (which gathers its latent),
 the routed experts on the pure-JAX dropless path with expert parallelism beside, MTP, packed documents (two a row,
-a padded tail) and all-to-one routing. What it does not take yet is refused in one line."""
+a padded tail) and all-to-one routing; TE's router and grouped GEMMs (executed on CPU with te_reference's kernels) with
+XLA's exchange alike. The weights are sharded over the context axis as over fsdp. What it does not take yet is
+refused in one line."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ MODELS = {  # name -> overrides of tests/tiny.py's TINY (+ test_batch_split's MO
     "MLA": ["attention_type=mla", "q_lora_rank=16", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8",
             "v_head_dim=8", "moe_impl=ragged", "attention=chunked", "attention_chunk_size=8"],
 }
+# TE's router and MXFP8 grouped GEMMs, XLA's exchange (moe_dropless_fallback: NCCL EP does not take the context axis)
+MODELS["MLA, TE"] = [*MODELS["MLA"][:-3], "moe_impl=te_dropless", "te_kernels=auto", "te_gmm_quantization=mxfp8",
+                     "moe_dropless_fallback=layer", "ragged_buffer_factor=2.0", *MODELS["MLA"][-2:]]
 _ONE = {}  # model -> one device's results
 
 
@@ -42,9 +47,24 @@ def _results(model: str, mesh_args: list, devices: int):
         return {name: jax.device_get(run(batch, jnp.asarray(bias, jnp.float32))) for name, bias in BIASES.items()}
 
 
+@pytest.fixture(scope="module")
+def te_on_cpu(te_standin):
+    """TE's Python over the stand-in (SM 100: MXFP8), its primitives executed by te_reference's kernels."""
+    from MaxText.planning import te_reference, te_trace
+
+    te_trace.set_sm(100)
+    te_reference.install()
+    yield
+    te_reference.uninstall()
+    te_trace.set_sm(90)
+
+
 @pytest.mark.parametrize("model,mesh", [("GQA", "context4_expert2"), ("MLA", "context2_fsdp4"),
-                                        ("MLA", "data2_context2_expert2")])
-def test_context_parallelism_gives_one_devices_numbers(model, mesh):
+                                        ("MLA", "data2_context2_expert2"),
+                                        pytest.param("MLA, TE", "data2_context2_expert2", marks=pytest.mark.te_trace)])
+def test_context_parallelism_gives_one_devices_numbers(request, model, mesh):
+    if "TE" in model:
+        request.getfixturevalue("te_on_cpu")
     if model not in _ONE:  # the same global batch (16 rows) on one device
         _ONE[model] = _results(model, ["ici_fsdp_parallelism=1", "per_device_batch_size=16"], 1)
     got = _results(model, [*MESHES[mesh]], 8)
@@ -78,7 +98,10 @@ def test_the_sequence_is_split_and_the_keys_gathered():
 @pytest.mark.parametrize("extra,message", [
     (["max_target_length=18"], "max_target_length=18 does not split over the context axis of size 4"),
     (["attention=cudnn_flash"], "attention=cudnn_flash with context parallelism"),
-    (["moe_impl=te_dropless"], "moe_impl=te_dropless (TE's kernels, NCCL EP) with context parallelism"),
+    (["moe_impl=te_dropless"], "moe_impl=te_dropless's NCCL EP exchange with context parallelism"),
+    (["moe_impl=te_dropless", "te_moe_block=true", "moe_dropless_fallback=layer", "ragged_buffer_factor=2.0"],
+     "moe_impl=te_dropless's NCCL EP exchange with context parallelism"),
+    (["quantization=te_mxfp8", "max_target_length=64", "head_dim=32"], "quantization=te_mxfp8 (TE's dense GEMMs) with"),
     (["context_parallel_strategy=ring"], "only the all-gather strategy is built here"),
     (["logical_axis_rules=[['activation_batch', ['data', 'fsdp', 'expert']], ['exp', ['expert']]]"],
      "logical_axis_rules does not split activation_length over 'context'"),
@@ -87,6 +110,21 @@ def test_what_context_parallelism_does_not_take_is_one_line(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         cfg = load_config(["configs/base.yml", *args(TINY, MESHES["context4_expert2"], extra)])
         sharding.mesh_shape(cfg, 8)
+
+
+def test_the_weights_are_sharded_over_the_context_axis():
+    """Context parallelism's devices hold FSDP shards of every weight (as upstream's rules put `context` beside
+    `fsdp`): a 671B model's state fits only so. Without it the specs are what they were before the axis existed."""
+    from MaxText.step.state import state_spec
+
+    for mesh_args, context in ((MESHES["context4_expert2"], ("context",)), ([], ())):
+        cfg = tiny_config(*MODEL, *MODELS["MLA"], *mesh_args)
+        spec = state_spec(cfg, sharding.create_mesh(cfg))
+        layers = spec.abstract["params"]["moe_layers"]["layers"]
+        attention = layers["self_attention"]["wq_a"].sharding.spec  # [layers, embed, q_lora]
+        assert attention[1] == ("fsdp", *context, "expert"), (mesh_args, attention)
+        experts = layers["moe"]["wi_0"].sharding.spec  # [layers, experts, embed, mlp]
+        assert experts[1] == "expert" and experts[2] == (("fsdp", *context) if context else "fsdp"), experts
 
 
 def test_decode_folds_the_context_axis_into_fsdp():

@@ -20,12 +20,12 @@ from MaxText.step.train_step import jit_train_step
 from tests.tiny import args
 
 
-def compiled_memory(cfg):
-    """memory_analysis() of the real jitted train step on one CPU device (compiled, never run)."""
-    mesh = sharding.create_mesh(cfg, jax.devices()[:1])
+def compiled_memory(cfg, devices: int = 1):
+    """memory_analysis() of the real jitted train step on `devices` CPU devices (compiled, never run): per device."""
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
     spec = state_spec(cfg, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    batch = abstract_batch(int(cfg.per_device_batch_size), cfg.max_target_length, batch_sharding)
+    batch = abstract_batch(round(devices * cfg.per_device_batch_size), cfg.max_target_length, batch_sharding)
     with jax.set_mesh(mesh):
         return jit_train_step(cfg, spec, batch_sharding).lower(spec.abstract, batch).compile().memory_analysis()
 
@@ -39,6 +39,18 @@ ESTIMATED = {
     "mixtral-tiny none": ["model_name=mixtral-tiny", "remat_policy=none", "moe_impl=dense", "capacity_factor=1.25"],
 }
 COMMON = ["moe_impl=ragged", "dtype=float32", "max_target_length=32", "num_devices=1", "enable_tensorboard=false"]
+# Context parallelism over 4 devices: a quarter of each 256-token sequence per device, the keys and values (MLA: its
+# latent, expanded to every head's keys and values) gathered whole.
+CONTEXT = ["max_target_length=256", "num_devices=4", "ici_fsdp_parallelism=1", "ici_context_parallelism=4",
+           "attention=chunked", "attention_chunk_size=32"]
+ESTIMATED |= {
+    "deepseek3-tiny full, context 4": ["model_name=deepseek3-tiny", "remat_policy=full", "per_device_batch_size=0.25",
+                                       *CONTEXT],
+    "deepseek3-tiny minimal, context 4": ["model_name=deepseek3-tiny", "remat_policy=minimal",
+                                          "per_device_batch_size=0.5", *CONTEXT],
+    "qwen3-tiny minimal, context 4": ["model_name=qwen3-tiny", "remat_policy=minimal", "per_device_batch_size=0.25",
+                                      *CONTEXT],
+}
 
 
 @pytest.mark.parametrize("case", ESTIMATED)
@@ -48,7 +60,7 @@ def test_activation_estimate_within_25_percent_of_compiled_train_step(case):
     cfg = load_config(args(COMMON, ESTIMATED[case]))  # later keys win: mixtral-tiny's moe_impl=dense
     p = plan.plan(cfg)
     estimate = p["bytes"]["activations"] + p["bytes"]["gradients"] + p["bytes"]["layer_weights"]
-    measured = compiled_memory(cfg).temp_size_in_bytes
+    measured = compiled_memory(cfg, cfg.num_devices).temp_size_in_bytes
     assert abs(estimate / measured - 1) <= 0.25, f"{case}: plan {estimate / 1e6:.2f} MB, XLA {measured / 1e6:.2f} MB"
 
 

@@ -189,13 +189,24 @@ def test_pre_training_recipes_train_as_deepseek_v3_did(recipe):
     assert cfg.checkpoint_period >= 1000 and cfg.eval_interval >= 1000
 
 
-def test_the_context_extension_recipe_applies_yarn_beyond_4k():
+@pytest.mark.parametrize("recipe,context", [("deepseek3-671b-16k-gb200-128.yml", 1),
+                                            ("deepseek3-671b-32k-gb200-128.yml", 4),
+                                            ("deepseek3-671b-128k-gb200-128.yml", 8)])
+def test_the_context_extension_recipes_apply_yarn_beyond_4k(recipe, context):
+    """DeepSeek-V3's extension phases (tech report 4.3): YaRN over the 4K original length, a constant 7.3e-6, and
+    as many tokens as each of its phases read (1920 x 32K x 1000 = 480 x 128K x 1000 = 63B); 32K and 128K with each
+    sequence split over a rack's GPUs."""
     from MaxText.step.optimizers import learning_rate_schedule
 
-    cfg = load_config([os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-16k-gb200-128.yml")])
+    cfg = load_config([os.path.join(CONFIG_DIR, "gpu", recipe)])
     assert cfg.rope_type == "yarn" and cfg.max_target_length > cfg.original_max_position_embeddings == 4096
+    assert (cfg.rope_factor, cfg.beta_fast, cfg.beta_slow) == (40, 32, 1)
     schedule = learning_rate_schedule(cfg)
-    assert [float(schedule(s)) for s in (0, 15000, cfg.steps - 1)] == pytest.approx([7.3e-6] * 3)  # constant
+    assert [float(schedule(s)) for s in (0, cfg.steps // 2, cfg.steps - 1)] == pytest.approx([7.3e-6] * 3)  # constant
+    mesh = sharding.mesh_shape(cfg, cfg.num_devices)
+    assert mesh["context"] == context and cfg.learning_rate_schedule_steps == cfg.steps
+    tokens = cfg.per_device_batch_size * cfg.num_devices * cfg.max_target_length * cfg.steps
+    assert tokens == pytest.approx(1920 * 32768 * 1000, rel=1e-6)
 
 
 def test_the_slurm_job_runs_the_preflight_first(tmp_path):

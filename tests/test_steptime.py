@@ -264,3 +264,62 @@ def test_nccl_ep_crosses_the_nics_once_per_destination_node():
             ratio = (steptime.expected_destinations(m.experts, m.top_k, nodes, m.groups, m.keep)
                      / steptime.expected_destinations(m.experts, m.top_k, 32, m.groups, m.keep))
             assert ep["node"] == pytest.approx(ep["gpu"] * ratio) and ratio < 0.7, (recipe, ep, ratio)
+
+
+def test_context_parallelism_gathers_each_layers_keys_and_repeats_mlas_up_projection():
+    """Context parallelism over c GPUs: each layer gathers its keys and values (MLA: the latent) over the group in the
+    forward, all-reduces their (MLA: expanded) cotangents in the backward: at the same tokens per GPU, c = 4 moves 3x
+    the bytes of c = 2 ((c - 1) / c of a c times longer buffer); inside an NVLink domain the NIC does not matter, across domains it
+    does. MLA expands the whole gathered sequence into keys and values on each of the c GPUs (DeepSeek-V3: 2 x 512 x
+    128 x (128 + 128) FLOPs a token in each of its 61 layers and the MTP depth); GQA computes nothing twice."""
+    m, hw = _model(), steptime.HARDWARE["gb200"]
+    base = steptime.Layout(128, 32768, 64, ep=8, fsdp=16, fsdp_dense=128)
+    one, two, four = (steptime.step_time(m, base._replace(cp=c), hw) for c in (1, 2, 4))
+    assert "cp" not in one["comm_s"] and two["comm_s"]["cp"] > 0
+    assert four["comm_s"]["cp"] == pytest.approx(3 * two["comm_s"]["cp"])
+    assert steptime.step_time(m, base._replace(cp=2), hw._replace(nic_gbps=1))["comm_s"]["cp"] == two["comm_s"]["cp"]
+    across = steptime.step_time(m, base._replace(cp=2, cp_local=1), hw)  # each member in its own NVLink domain
+    assert across["comm_s"]["cp"] == pytest.approx(two["comm_s"]["cp"] * hw.nvlink_gbps / hw.nic_gbps)
+    tokens, passes = 64 * 32768 / 128, 3  # no recomputation in this layout: forward once, backward twice a forward
+    extra = tokens * passes * 2 * 512 * 128 * 256 * 62 / (hw.bf16_tflops * 1e12 * steptime.GEMM_EFFICIENCY)
+    assert two["compute_s"]["dense_gemm"] - one["compute_s"]["dense_gemm"] == pytest.approx(extra)
+    assert four["compute_s"]["attention"] == one["compute_s"]["attention"]  # the same share of the work per GPU
+    qwen = steptime.Model.from_config(load_config(["configs/base.yml", "model_name=qwen3-30b-a3b"]), 30.5e9)
+    assert qwen.kv_gather_width == qwen.kv_grad_width == 2 * 4 * 128 and qwen.kv_up_flops == 0
+    assert (m.kv_gather_width, m.kv_grad_width) == (512 + 64, 128 * (128 + 64 + 128))
+    gqa = [steptime.step_time(qwen, base._replace(cp=c), hw) for c in (1, 2)]
+    assert gqa[0]["compute_s"] == gqa[1]["compute_s"] and gqa[1]["comm_s"]["cp"] > 0
+
+
+def test_a_context_parallel_layout_is_read_and_its_gathers_timed_from_the_module():
+    """A config with context parallelism: the weights are FSDP-sharded over fsdp x context (the rules put `context`
+    beside `fsdp`), the context group inside the NVLink domain; a compiled module's all-gather over `context` alone
+    is the cp term."""
+    cfg = load_config([GB200_RECIPE, "ici_fsdp_parallelism=4", "ici_context_parallelism=2"])
+    mesh = {"data": 1, "fsdp": 8, "context": 2, "expert": 8, "tensor": 1}
+    layout = steptime.layout_from_config(cfg, mesh, 128)
+    assert (layout.cp, layout.cp_local, layout.fsdp, layout.fsdp_dense, layout.fsdp_local) == (2, 0, 16, 128, 8)
+    hw = steptime.HARDWARE["gb200"]
+    group = {"kind": "all-gather", "axes": ["context"], "group": 2, "count": 1, "bytes": 1e9}
+    assert steptime.module_comm(cfg, mesh, [group], hw) == {"cp": pytest.approx(steptime._ring(1e9, 2, 0, hw))}
+    weights = group | {"axes": ["fsdp", "context"], "group": 16}
+    assert set(steptime.module_comm(cfg, mesh, [weights], hw)) == {"fsdp"}
+
+
+def test_search_splits_long_sequences_over_the_context_axis():
+    """--search on the 32K recipe: one 32K sequence per GPU does not fit the recipe's GPUs, so every layout it ranks
+    splits the sequences over the context axis; the shipped layout is within 2% of the best (which keeps 9% less of
+    HBM free). Below 16K no context split is tried."""
+    from MaxText.planning.layout_search import meshes, search
+
+    recipe = os.path.join("configs", "gpu", "deepseek3-671b-32k-gb200-128.yml")
+    whole = plan.plan(load_config([recipe, "ici_context_parallelism=1", "ici_fsdp_parallelism=8",
+                                   "per_device_batch_size=1"]))
+    assert whole["verdict"] == "does not fit", plan.format_table(whole)
+    result = search([recipe], top=3)
+    assert result["fitting"] >= 3 and all(c["mesh"]["context"] > 1 for c in result["best"]), result["best"]
+    shipped = plan.plan(load_config([recipe]))
+    assert shipped["verdict"] == "fits"
+    assert shipped["step_time"]["tokens_per_s_per_gpu"] >= 0.98 * result["best"][0]["tokens_per_s_per_gpu"]
+    assert {m[0]["context"] for m in meshes(128, 64, 4, 256)} == {1}
+    assert {m[0]["context"] for m in meshes(128, 64, 4, 256, (1, 2, 4, 8))} == {1, 2, 4, 8}

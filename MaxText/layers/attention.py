@@ -8,6 +8,7 @@ fused kernel on CUDA GPUs (attention_cudnn.py) and the chunked path elsewhere.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
-from MaxText.parallel.sharding import constrain
+from MaxText.parallel.sharding import constrain, logical_to_spec
 
 
 # Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by (DenseGemms).
@@ -123,7 +124,11 @@ def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: 
     """The `attention` config choice: dot_product (all [B, H, L, L] scores at once), chunked (one
     [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass) or cudnn_flash
     (cuDNN's fused kernel on CUDA, chunked elsewhere and for rows with more documents than it takes).
-    rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding."""
+    rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding. Under context
+    parallelism (k, v whole: whole_sequence) the XLA paths run per device (context_parallel)."""
+    if context_axes(rules) and impl != "cudnn_flash":
+        return context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, impl=impl, chunk_size=chunk_size,
+                                scale=scale, rules=rules)
     if impl == "cudnn_flash":
         scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
         fallback = functools.partial(chunked_attention, chunk_size=chunk_size, scale=scale)
@@ -132,6 +137,43 @@ def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: 
     if impl == "chunked":
         return chunked_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, chunk_size=chunk_size, scale=scale)
     return dot_product_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, scale=scale)
+
+
+def context_axes(rules) -> tuple:
+    """The mesh axes of more than one device that split the sequence (activation_length): context parallelism's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return ()
+    spec = logical_to_spec(("activation_length",), rules)[0]
+    axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
+def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules):
+    """Context parallelism's all-gather strategy on one device, in shard_map: its piece of every sequence's queries
+    (positions from the piece's start on) against the whole keys and values it was given, document masking by the
+    whole row's segment ids. Left to the partitioner, the chunked path's loop over query chunks re-gathered the keys
+    in every trip. The backward sums the keys' and values' cotangents over the context axes (an all-reduce of the
+    whole sequence's: for MLA its expanded keys and values, before the latent's reduce-scatter)."""
+    axes = context_axes(rules)
+    spec = functools.partial(logical_to_spec, rules=rules)
+    q_spec = spec(("activation_batch", "activation_length", "activation_heads", None))
+    kv_spec = spec(("activation_batch", None, "activation_kv_heads", None))
+    row, rows = spec(("activation_batch", "activation_length")), spec(("activation_batch", None))
+    scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+    piece = q_BLHK.shape[1] // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+    def local(q, k, v, q_segment_ids, kv_segment_ids):
+        # Whole on every device, the keys and values are marked as varying over the context axes here, so that the
+        # backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
+        k, v = jax.lax.pcast((k, v), axes, to="varying")
+        start = jax.lax.axis_index(axes) * piece
+        if impl == "chunked":
+            return _chunked(q, k, v, q_segment_ids, kv_segment_ids, start, chunk_size, scale)
+        return _attend(q, k, v, q_segment_ids, kv_segment_ids, start, scale)
+
+    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row, rows), out_specs=q_spec)(
+        q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, segment_ids_BL)
 
 
 def attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start=0):
@@ -177,15 +219,20 @@ def chunked_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, chunk_size: int
 
     A length that is not a multiple of chunk_size is padded with segment-0 (fully masked) query rows.
     """
-    b, l, h, _ = q_BLHK.shape
+    scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+    return _chunked(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, segment_ids_BL, 0, chunk_size, scale)
+
+
+def _chunked(q_BQHK, k_BSNK, v_BSNV, q_segment_ids_BQ, kv_segment_ids_BS, q_start, chunk_size: int, scale):
+    """_attend for queries q_start.. against all S keys, chunk_size query rows at a time (see chunked_attention)."""
+    b, l, h, _ = q_BQHK.shape
     c = min(chunk_size, l)
     if c == l:
-        return dot_product_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, scale=scale)
-    scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
+        return _attend(q_BQHK, k_BSNK, v_BSNV, q_segment_ids_BQ, kv_segment_ids_BS, q_start, scale)
     chunks = -(-l // c)
     pad = chunks * c - l
-    q_BPHK = jnp.pad(q_BLHK, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    q_segment_ids_BP = jnp.pad(segment_ids_BL, ((0, 0), (0, pad)))  # padded rows: segment 0, dropped below
+    q_BPHK = jnp.pad(q_BQHK, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q_segment_ids_BP = jnp.pad(q_segment_ids_BQ, ((0, 0), (0, pad)))  # padded rows: segment 0, dropped below
     # M chunks of C query rows, chunk axis first for lax.map.
     q_MBCHK = q_BPHK.reshape(b, chunks, c, h, -1).swapaxes(0, 1)
     q_segment_ids_MBC = q_segment_ids_BP.reshape(b, chunks, c).swapaxes(0, 1)
@@ -195,7 +242,7 @@ def chunked_attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, chunk_size: int
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def one_chunk(args):
         q_BCHK, q_segment_ids_BC, start = args
-        return _attend(q_BCHK, k_BLNK, v_BLNV, q_segment_ids_BC, segment_ids_BL, start, scale)
+        return _attend(q_BCHK, k_BSNK, v_BSNV, q_segment_ids_BC, kv_segment_ids_BS, start, scale)
 
-    out_MBCHV = jax.lax.map(one_chunk, (q_MBCHK, q_segment_ids_MBC, jnp.arange(chunks) * c))
+    out_MBCHV = jax.lax.map(one_chunk, (q_MBCHK, q_segment_ids_MBC, q_start + jnp.arange(chunks) * c))
     return out_MBCHV.swapaxes(0, 1).reshape(b, chunks * c, h, -1)[:, :l]

@@ -22,15 +22,16 @@ def check_mesh(cfg, shape: dict) -> None:
         raise ConfigError(f"num_experts={cfg.num_experts} must be divisible by the expert mesh axis, "
                           f"which is {shape['expert']} here; change ici_expert_parallelism/dcn_expert_parallelism")
     check_tensor_split(cfg, shape["tensor"])
-    check_context(cfg, shape["context"])
+    check_context(cfg, shape)
     devices = math.prod(shape[a] for a in MESH_AXES)
     check_batch(cfg, shape, global_batch_size(cfg, devices))
     check_nccl_ep(cfg, shape)
 
 
-def check_context(cfg, context: int) -> None:
+def check_context(cfg, shape: dict) -> None:
     """Context parallelism splits every sequence in `context` equal pieces, attention through XLA (the
     all-gather strategy); what it does not take yet is refused in one line."""
+    context = shape["context"]
     if context == 1:
         return
     axes = "ici_context_parallelism/dcn_context_parallelism"
@@ -46,10 +47,14 @@ def check_context(cfg, context: int) -> None:
         raise ConfigError(f"attention=cudnn_flash with context parallelism ({axes} = {context}) is not built here: "
                           "cuDNN's kernel does not take a query block against the gathered keys yet; use "
                           "attention=chunked")
-    if cfg.moe_impl == "te_dropless" and cfg.te_kernels == "auto" and cfg.num_experts > 1:
-        raise ConfigError(f"moe_impl=te_dropless (TE's kernels, NCCL EP) with context parallelism ({axes} = "
-                          f"{context}) is not built yet; use moe_impl=ragged (the same dropless MoE in pure JAX) "
-                          "or te_kernels=reference")
+    if cfg.quantization != "none":
+        raise ConfigError(f"quantization={cfg.quantization} (TE's dense GEMMs) with context parallelism ({axes} = "
+                          f"{context}) is not built yet: TE's quantize partitions a context-split sequence into shards "
+                          "its scale blocks do not divide; set quantization=none")
+    if cfg.num_experts > 1 and nccl_ep_used(cfg, shape):
+        raise ConfigError(f"moe_impl=te_dropless's NCCL EP exchange with context parallelism ({axes} = {context}) is "
+                          "not built yet (TE's MeshResource takes the context axis as a replica); set "
+                          "moe_dropless_fallback=layer (TE's router and grouped GEMMs, XLA's exchange) or moe_impl=ragged")
 
 
 def check_tensor_split(cfg, tensor: int) -> None:

@@ -87,11 +87,11 @@ def state_bytes(cfg, spec, mesh_shape: dict) -> dict:
     for stack, count in zip(("dense_layers", "moe_layers"), layer_counts(cfg)):
         if count:  # scanned ("layers", stacked on a leading axis) or unrolled ("layers_0", ...): all layers
             layers = spec.abstract["params"][stack]
-            one = sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape, skip=("fsdp",))
+            one = sum(shard_bytes(a.shape, a.dtype, a.sharding.spec, mesh_shape, skip=("fsdp", "context"))
                       for a in jax.tree.leaves(layers)) / count
             layer_weights = max(layer_weights, one)
     ratio = np.dtype(cfg.dtype).itemsize / np.dtype(cfg.weight_dtype).itemsize
-    copies = 2 if mesh_shape["fsdp"] > 1 else 1  # fsdp prefetches the next layer's gather
+    copies = 2 if mesh_shape["fsdp"] * mesh_shape["context"] > 1 else 1  # fsdp prefetches the next layer's gather
     return {
         "params": params,
         # under gradient accumulation the step's sum beside each micro-batch's gradients
@@ -129,31 +129,41 @@ def with_te_dense_copies(cfg, block: LayerTensors, t: int, tp: int, widths) -> L
                         block.working + q * sum(t * o for _, o in widths) / tp)
 
 
-def _attention(cfg, t: int, b: int, tp: int, a: int) -> LayerTensors:
-    """One attention block on a device with t tokens in b sequences."""
+def _attention(cfg, t: int, b: int, tp: int, a: int, cp: int = 1) -> LayerTensors:
+    """One attention block on a device with t tokens of b sequences (each split in cp pieces over the context axis:
+    t = b L / cp queries; the keys and values, or MLA's latent, gathered whole: b L of them)."""
     d, h, length = cfg.base_emb_dim, cfg.base_num_query_heads // tp, cfg.max_target_length
+    whole = b * length  # the keys' tokens: every sequence's whole length
+    queries = length // cp  # a device's query rows per sequence
     if cfg.attention_type == "mla":
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        # keys and values expand from the gathered latent: b L of them on each device under context parallelism
         named = {"mla_q": t * cfg.q_lora_rank * a, "mla_kv": t * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
-                 "query_proj": t * h * qk * a, "key_proj": t * h * qk * a, "value_proj": t * h * v * a}
-        # the normed low-rank inputs of the up-projections
-        other = t * (cfg.q_lora_rank + cfg.kv_lora_rank) * a
+                 "query_proj": t * h * qk * a, "key_proj": whole * h * qk * a, "value_proj": whole * h * v * a}
+        # the normed low-rank inputs of the up-projections (the kv latent gathered whole)
+        other = t * cfg.q_lora_rank * a + (whole if cp > 1 else t) * cfg.kv_lora_rank * a
         out_width = h * v
+        gathered = h * (qk + v)  # per key token: the cotangents of the whole keys and values in the backward
     else:
         n, k = max(cfg.base_num_kv_heads // tp, 1), cfg.head_dim
         named = {"query_proj": t * h * k * a, "key_proj": t * n * k * a, "value_proj": t * n * k * a}
         other = t * (h + n) * k * a  # q and k after RoPE
+        if cp > 1:  # the keys and values gathered whole, which attention keeps for its backward
+            other += 2 * whole * n * k * a
         out_width = h * k
+        gathered = 2 * n * k
     named["out_proj"] = t * d * a
     other += t * out_width * a + t * d * a  # the context before the output projection, the block's norm
     # float32 scores and softmax, probabilities in the compute dtype: whole, the probabilities are kept for
     # the backward; chunked, one chunk of them exists at a time and is recomputed there. cudnn_flash holds no
     # scores, but XLA reserves its chunked fallback's whether or not it runs (attention_cudnn.py).
     if cfg.attention == "dot_product":
-        other += b * h * length * length * a
-        working = b * h * length * length * 2 * 4
+        other += b * h * queries * length * a
+        working = b * h * queries * length * 2 * 4
     else:
-        working = b * h * min(cfg.attention_chunk_size, length) * length * (2 * 4 + a)
+        working = b * h * min(cfg.attention_chunk_size, queries) * length * (2 * 4 + a)
+    if cp > 1:  # the whole keys' and values' cotangents, before they are reduce-scattered back to their pieces
+        working += whole * gathered * a
     if cfg.attention == "cudnn_flash":
         # the kernel's float32 softmax statistics [B * M, H, L]; MLA's V zero-padded to the q/k head dim
         other += b * max_segments(length) * h * length * 4
@@ -257,9 +267,9 @@ def worst_branch_bytes(cfg, moe_layer: LayerTensors, t: int, tp: int, ep: int, a
     return moe_layer.residuals + moe_layer.working + chunk.residuals + chunk.working
 
 
-def layer_tensors(cfg, moe: bool, t: int, b: int, tp: int, ep: int, a: int) -> LayerTensors:
+def layer_tensors(cfg, moe: bool, t: int, b: int, tp: int, ep: int, a: int, cp: int = 1) -> LayerTensors:
     ffn = _moe(cfg, t, tp, ep, a) if moe else _mlp(cfg, t, tp, a, cfg.base_mlp_dim)
-    return _attention(cfg, t, b, tp, a) + ffn
+    return _attention(cfg, t, b, tp, a, cp) + ffn
 
 
 def kept_names(cfg) -> tuple[set, set]:
@@ -280,12 +290,13 @@ def activation_bytes(cfg, mesh_shape: dict, num_devices: int) -> dict:
     batch = global_batch_size(cfg, num_devices)
     shards = math.prod(mesh_shape[x] for x in sharding.DATA_AXES)
     b = -(-batch // shards) // cfg.gradient_accumulation_steps  # one micro-batch is live at a time
-    t, tp, ep = b * cfg.max_target_length, mesh_shape["tensor"], mesh_shape["expert"]
+    cp, tp, ep = mesh_shape["context"], mesh_shape["tensor"], mesh_shape["expert"]
+    t = b * cfg.max_target_length // cp  # each of the b sequences split over the context axis
     a = np.dtype(cfg.dtype).itemsize
     moe = cfg.num_experts > 1
     num_dense, num_moe = layer_counts(cfg)
-    kinds = [(num_dense, layer_tensors(cfg, False, t, b, tp, ep, a))]
-    kinds.append((num_moe + cfg.mtp_num_layers, layer_tensors(cfg, moe, t, b, tp, ep, a)))
+    kinds = [(num_dense, layer_tensors(cfg, False, t, b, tp, ep, a, cp))]
+    kinds.append((num_moe + cfg.mtp_num_layers, layer_tensors(cfg, moe, t, b, tp, ep, a, cp)))
     kinds = [(n, lt) for n, lt in kinds if n]
     keep, offload = kept_names(cfg)
     saved = host = 0
@@ -393,10 +404,6 @@ def plan(cfg, hbm_gib: float | None = None, collectives: list[dict] | None = Non
     collectives.by_group, which the step-time model then uses."""
     num_devices = planned_devices(cfg)
     mesh_shape = sharding.mesh_shape(cfg, num_devices)
-    if mesh_shape["context"] > 1:
-        raise ConfigError(f"MaxText.plan does not model context parallelism yet (a context axis of "
-                          f"{mesh_shape['context']}: ici_context_parallelism x dcn_context_parallelism); its gathered "
-                          "keys and values are not counted: plan the layout without it")
     spec = state_spec(cfg, abstract_mesh(mesh_shape))  # traces the model once, for counts and bytes
     counts = parameter_counts(cfg, spec.abstract["params"])
     memory, acts = device_bytes(cfg, spec, mesh_shape, num_devices)

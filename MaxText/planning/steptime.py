@@ -15,7 +15,10 @@ hidden units over tensor parallelism, experts over expert parallelism):
             per token and destination GPU, or per destination node where the dispatch forwards inside the node
             over NVLink), TP all-reduces, FSDP all-gathers and reduce-scatters (the volumes this trainer's
             compiled step has: fsdp_collective_bytes, held to the module by tests/test_collectives.py),
-            data-parallel gradient reduction, host offload over PCIe / NVLink-C2C. Given a lowering's
+            data-parallel gradient reduction, context parallelism's all-gathers of each layer's keys and values
+            (MLA: its latent; each device then computes MLA's key/value up-projection for the whole sequence) and
+            the all-reduce of their cotangents,
+            host offload over PCIe / NVLink-C2C. Given a lowering's
             collectives (module_comm), the module's own FSDP, DP and TP groups replace those formulas.
   overlap   each collective kind runs a stated fraction under compute (OVERLAP, EP_OVERLAP: assumptions per
             mechanism, the same in every case, never tuned per case); this trainer's EP exchange, the fraction
@@ -90,7 +93,8 @@ ALL_TO_ALL_EFFICIENCY = 0.50    # all-to-all: many peers, smaller messages
 # Fraction of each kind's time that runs under compute: XLA's latency-hiding scheduler (and Megatron's bucketed
 # overlap) hide gradient reduction, FSDP gathers and host transfers behind other layers' compute; tensor-parallel
 # all-reduces sit on the critical path.
-OVERLAP = {"fsdp": 0.9, "dp": 0.9, "tp": 0.0, "offload": 0.9}
+# Context parallelism's key/value gathers sit on the critical path too: a layer's attention waits for its own.
+OVERLAP = {"fsdp": 0.9, "dp": 0.9, "tp": 0.0, "cp": 0.0, "offload": 0.9}
 # The MoE all-to-all's overlap depends on the mechanism: none (XLA, whose grouped GEMMs wait for it; TE's NCCL
 # EP on its own stream), partial (Megatron-Core's 1F1B A2A overlap), full (DeepSeek's DualPipe).
 EP_OVERLAP = {"none": 0.0, "partial": 0.5, "full": 1.0}
@@ -110,6 +114,8 @@ class Layout(NamedTuple):
     pp: int = 1
     vp: int = 1                     # virtual pipeline stages per GPU
     ep: int = 1
+    cp: int = 1                     # context parallelism: each sequence split over cp GPUs (keys/values gathered)
+    cp_local: int = 0               # members of a context group inside one NVLink domain (0: the whole group)
     fsdp: int = 1                   # expert weights' shards gathered before use (this trainer's fsdp axes)
     fsdp_dense: int = 0             # dense weights' shards gathered before use (0: as fsdp; here fsdp x expert)
     fsdp_local: int = 0             # members of an FSDP group inside one NVLink domain (0: the whole group)
@@ -142,18 +148,21 @@ class Layout(NamedTuple):
 
 def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: float = 0.0) -> Layout:
     """This trainer's layout for a config on its mesh: no pipeline; tensor, expert and FSDP axes as the sharding
-    rules place them (dense weights gathered over fsdp x expert, expert weights over fsdp), DCN axes outermost."""
+    rules place them (dense weights gathered over fsdp x context x expert, expert weights over fsdp x context),
+    DCN axes outermost."""
     def ici(name):
         return _ici(cfg, mesh_shape, name)
 
-    fsdp, ep, tp = mesh_shape["fsdp"], mesh_shape["expert"], mesh_shape["tensor"]
+    ep, tp, cp = mesh_shape["expert"], mesh_shape["tensor"], mesh_shape.get("context", 1)
+    fsdp = mesh_shape["fsdp"] * cp  # the weights are sharded over the context axis too
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
     nccl_ep = nccl_ep_used(cfg, mesh_shape)
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
-        tp=tp, ep=ep, fsdp=fsdp, fsdp_dense=fsdp * ep,
-        fsdp_local=_local(ici("fsdp"), ici("expert") * ici("tensor"), fsdp, domain),
-        fsdp_dense_local=_local(ici("fsdp") * ici("expert"), ici("tensor"), fsdp * ep, domain),
+        tp=tp, ep=ep, cp=cp, cp_local=_local(ici("context"), ici("expert") * ici("tensor"), cp, domain),
+        fsdp=fsdp, fsdp_dense=fsdp * ep,
+        fsdp_local=_local(ici("fsdp") * ici("context"), ici("expert") * ici("tensor"), fsdp, domain),
+        fsdp_dense_local=_local(ici("fsdp") * ici("context") * ici("expert"), ici("tensor"), fsdp * ep, domain),
         grouped_precision="fp8" if cfg.moe_impl == "te_dropless" and cfg.te_gmm_quantization != "none" else "",
         dense_precision=("" if cfg.quantization == "none" else "fp4" if cfg.quantization.startswith("te_nvfp4")
                          else "fp8"),
@@ -219,7 +228,7 @@ def expected_destinations(num_experts: int, top_k: int, units: int, groups: int 
 
 def _ici(cfg, mesh_shape: dict, name: str) -> int:
     """A mesh axis's size inside a slice (ICI); the rest of it is DCN."""
-    return mesh_shape[name] // max(1, cfg[f"dcn_{name}_parallelism"])
+    return mesh_shape.get(name, 1) // max(1, cfg[f"dcn_{name}_parallelism"])
 
 
 def _local(ici_members: int, ici_stride: int, group: int, domain: int) -> int:
@@ -259,6 +268,13 @@ class Model(NamedTuple):
     head_uses: int = 1          # output heads computed per step (the main one, and one per MTP depth)
     quantizable_gemm_flops: float = 0.0  # the part of dense_gemm_flops `quantization` quantizes (not the router,
                                          # the heads or MTP's projection)
+    kv_gather_width: int = 0    # numbers a token's keys and values (MLA: its latent) have in a layer, which context
+                                # parallelism gathers
+    kv_gather_by_tp: bool = True  # whether tensor parallelism splits them (heads; MLA's latent is whole)
+    kv_grad_width: int = 0      # numbers of a token's keys and values (MLA: expanded, every head's), whose cotangents
+                                # context parallelism sums over its group (split by tensor parallelism)
+    kv_up_flops: float = 0.0    # MLA's key/value up-projection, forward FLOPs per token over all layers: context
+                                # parallelism computes it for the whole gathered sequence on each device
 
     @classmethod
     def from_config(cls, cfg, total_params: float) -> "Model":
@@ -270,10 +286,18 @@ class Model(NamedTuple):
         dense = model_flops_per_token(cfg) / 3 - attention - grouped
         expert_params = moe_layers * cfg.num_experts * 3 * d * f if cfg.num_experts > 1 else 0.0
         head = 0.0 if cfg.logits_via_embedding else d * cfg.vocab_size
+        layers = cfg.base_num_decoder_layers + cfg.mtp_num_layers
+        if cfg.attention_type == "mla":
+            width, by_tp = cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
+            grad = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+            kv_up = layers * 2 * cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        else:
+            width, by_tp, kv_up = 2 * cfg.base_num_kv_heads * cfg.head_dim, True, 0.0
+            grad = width
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
-                   cfg.base_num_decoder_layers + cfg.mtp_num_layers, head, d * cfg.vocab_size,
-                   1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg))
+                   layers, head, d * cfg.vocab_size, 1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg),
+                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, kv_up_flops=kv_up)
 
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
@@ -318,8 +342,10 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
     passes = forward + 2.0
     t = {}
     quantized = m.quantizable_gemm_flops if lay.dense_precision else 0.0
+    # context parallelism: MLA's key/value up-projection runs on the whole gathered sequence on each of cp devices
+    redundant = m.kv_up_flops * (lay.cp - 1)
     t["dense_gemm"] = tokens * passes / GEMM_EFFICIENCY * (
-        (m.dense_gemm_flops - quantized) / peak(lay.gemm_precision)
+        (m.dense_gemm_flops + redundant - quantized) / peak(lay.gemm_precision)
         + quantized / peak(lay.dense_precision or lay.gemm_precision))
     t["grouped_gemm"] = tokens * m.grouped_gemm_flops * passes / (peak(grouped_precision) * GROUPED_GEMM_EFFICIENCY)
     t["attention"] = tokens * m.attention_flops * passes / (
@@ -341,7 +367,7 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
 
 
 def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
-    """Seconds per step of each kind of communication for `tokens` per GPU ({ep, tp, fsdp, dp, offload: s})."""
+    """Seconds per step of each kind of communication for `tokens` per GPU ({ep, tp, cp, fsdp, dp, offload: s})."""
     d, k = m.emb, m.top_k
     fsdp_dense = lay.fsdp_dense or lay.fsdp
     dense_dp = lay.devices // (lay.tp * lay.pp * fsdp_dense)  # replicas of each dense weight shard
@@ -363,6 +389,14 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
         # sequence-parallel reduce-scatter + all-gather around attention and the MLP, forward and backward
         # (a stage's layers/pp layers over its replica's tokens x tp x pp: per GPU, all layers over tokens x tp)
         comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, 0, hw)
+    if lay.cp > 1 and m.kv_gather_width:
+        # each layer gathers its keys and values (MLA: the latent) over the context group, again where the layer is
+        # recomputed, and in the backward sums the whole keys' and values' cotangents (MLA: expanded) over it, an
+        # all-reduce (attention.context_parallel); bf16
+        gather = m.kv_gather_width / (lay.tp if m.kv_gather_by_tp else 1)
+        whole = tokens * lay.cp * 2  # bytes per number of a token: the whole sequences' on each device
+        comm["cp"] = m.layers * ((1 + lay.recompute) * _ring(whole * gather, lay.cp, lay.cp_local, hw)
+                                 + 2 * _ring(whole * m.kv_grad_width / lay.tp, lay.cp, lay.cp_local, hw))
     links = {"dense": (fsdp_dense, lay.fsdp_dense_local), "expert": (lay.fsdp, lay.fsdp_local)}
     fsdp = sum(_ring(b, *links[part], hw) for part, kinds in fsdp_collective_bytes(m, lay).items()
                for b in kinds.values())
@@ -424,7 +458,7 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     t, compute = compute_time(m, lay, hw, tokens)
     comm = comm_time(m, lay, hw, tokens)
     if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'
-        comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp")} | module_comm
+        comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp", "cp")} | module_comm
 
     overlap = OVERLAP | {"ep": ep_hidden_fraction(lay, t, comm.get("ep", 0.0))}
     if lay.ep_overlap == "none" and overlap["ep"]:  # the exchange's kernels hold SMs while compute runs beside them
@@ -457,7 +491,8 @@ def fallback_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None,
 
 def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> dict[str, float]:
     """Seconds per step of a compiled module's collectives (MaxText.lowering's collectives.by_group), by the
-    step-time term they belong to: a group spanning `tensor` is tp; one over `data` alone, dp; the rest of the
+    step-time term they belong to: a group spanning `tensor` is tp; one over `data` alone, dp; over `context` alone
+    (context parallelism's key/value gathers), cp; the rest of the
     all-gathers, reduce-scatters and all-reduces (FSDP's weights and gradients, small statistics) fsdp. Each
     crosses the slowest link of its group, as in the formulas. The EP all-to-all stays the routing's (on CPU the
     module's is fixed buffers; under NCCL EP it is inside TE's kernels)."""
@@ -472,7 +507,8 @@ def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> di
         inner = [a for a in axes_order[axes_order.index(axes[-1]) + 1:] if a not in axes]
         local = _local(math.prod(_ici(cfg, mesh_shape, a) for a in axes),
                        math.prod(_ici(cfg, mesh_shape, a) for a in inner), g["group"], domain)
-        term = "tp" if "tensor" in axes else "dp" if set(axes) <= {"data"} else "fsdp"
+        term = ("tp" if "tensor" in axes else "dp" if set(axes) <= {"data"} else "cp" if axes == ["context"]
+                else "fsdp")
         seconds = _ring(g["bytes"], g["group"], local, hw) * (2 if g["kind"] == "all-reduce" else 1)
         out[term] = out.get(term, 0.0) + seconds
     return out
