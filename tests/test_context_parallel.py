@@ -95,6 +95,27 @@ def test_the_sequence_is_split_and_the_keys_gathered():
     assert len(gathered) >= 2 * cfg.base_num_decoder_layers, "keys and values are not gathered over the context axis"
 
 
+def test_the_chunk_loop_moves_nothing_over_the_context_axis():
+    """MLA through the chunked path, 8 query chunks per device: the latent's gathers and the keys' cotangent sums
+    run once per layer, never once per chunk (the keys marked varying before the loop: otherwise the backward sums
+    their cotangent in every trip). tests/test_preflight.py holds the recipes' gathers, which the partitioner
+    alone re-ran in every trip at the 32K recipe's shapes (22 TB a step per GPU)."""
+    from MaxText.planning.collectives import count_collectives
+
+    cfg = tiny_config(*MODEL, *MODELS["MLA"], *MESHES["context4_expert2"], "max_target_length=64",
+                      "attention_chunk_size=2", "per_device_batch_size=0.25")
+    mesh = sharding.create_mesh(cfg)
+    batch = _batch(round(8 * cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
+    run = _loss_and_grads(cfg, mesh)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda b: run(b, jnp.zeros(8, jnp.float32))).lower(batch).compile().as_text()
+    over_context = [c for c in count_collectives(hlo, 8)[0] if c.group == 4 and c.kind != "all-to-all"]
+    sequence = [c for c in over_context if len(c.shape) >= 3 and c.shape[1] == cfg.max_target_length]
+    assert sequence, over_context  # the whole sequence's latent and keys do cross the context axis
+    layers = cfg.base_num_decoder_layers + cfg.mtp_num_layers
+    assert all(c.count <= layers for c in sequence), [(c.kind, c.shape, c.count) for c in sequence]
+
+
 @pytest.mark.parametrize("extra,message", [
     (["max_target_length=18"], "max_target_length=18 does not split over the context axis of size 4"),
     (["attention=cudnn_flash"], "attention=cudnn_flash with context parallelism"),
