@@ -7,6 +7,7 @@ refused in one line."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -93,6 +94,54 @@ def test_the_sequence_is_split_and_the_keys_gathered():
     gathered = [line for line in hlo.splitlines() if re.search(
         r"= f32\[\d+,16,2,8\]\{[^}]*\} all-gather\(.*replica_groups=\[2,4\].*dimensions=\{1\}", line)]
     assert len(gathered) >= 2 * cfg.base_num_decoder_layers, "keys and values are not gathered over the context axis"
+
+
+@pytest.mark.parametrize("devices,chunk", [(4, 2), (2, 1)])  # (2, 1): groups of two chunks
+def test_causal_load_balance_gives_the_same_attention_for_less_work(devices, chunk):
+    """context_parallel_load_balance: each device computes an early and a late block of queries (balanced_chunks),
+    each chunk against the key prefix it needs. Output and q/k/v gradients equal the unbalanced path's and one
+    device's (GQA, three documents a row and a padded tail; padding rows, which the loss masks out, excepted); XLA
+    counts prefix_share of the FLOPs of the unbalanced path's forward (one chunk a device: XLA counts a loop's body
+    once, so only where each group of rows is one chunk)."""
+    from MaxText.layers.attention import attention, dot_product_attention, prefix_rows, prefix_share
+
+    b, length, h, n, k = 2, 48, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, length, heads, k)), jnp.float32) for heads in (h, n, n))
+    segments = np.repeat(np.where(np.arange(length) < 10, 1, np.where(np.arange(length) < 30, 2, 3))[None], b, 0)
+    segments[-1, -5:] = 0
+    segments = jnp.asarray(segments, jnp.int32)
+    real = np.asarray(segments != 0)[:, :, None, None]
+    cfg = tiny_config(*MODEL, "ici_fsdp_parallelism=1", f"ici_context_parallelism={devices}",
+                      f"max_target_length={length}", f"per_device_batch_size={b / devices}")
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+    rules = sharding.axis_rules(cfg)
+
+    def loss(fn):
+        return lambda q, kk, v: jnp.sum(jnp.where(real, fn(q, kk, v), 0.0) ** 2)
+
+    def run(balance, chunk_size=chunk):
+        fn = functools.partial(attention, segment_ids_BL=segments, impl="chunked", chunk_size=chunk_size,
+                               rules=rules, load_balance=balance)
+        step = jax.jit(lambda q, kk, v: (fn(q, kk, v), jax.grad(loss(fn), argnums=(0, 1, 2))(q, kk, v)))
+        with jax.set_mesh(mesh):
+            cost = jax.jit(fn).lower(q, kk, v).compile().cost_analysis()
+            return jax.device_get(step(q, kk, v)), (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    (balanced, grads), flops = run(True)
+    (plain, plain_grads), _ = run(False)
+    plain_flops = run(False, length)[1]
+    one = functools.partial(dot_product_attention, segment_ids_BL=segments)
+    want, want_grads = one(q, kk, v), jax.grad(loss(one), argnums=(0, 1, 2))(q, kk, v)
+    for got, ref in ((balanced, plain), (balanced, want)):
+        np.testing.assert_allclose(np.where(real, got, 0), np.where(real, ref, 0), rtol=1e-5, atol=1e-6)
+    for got, ref in ((grads, plain_grads), (grads, want_grads)):
+        for g, r, name in zip(got, ref, "qkv"):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=name)
+    share = prefix_share(length, devices, chunk)
+    assert share < 0.8
+    if all(hi - lo <= chunk for lo, hi, _ in prefix_rows(length // (2 * devices), 0, length, chunk)):
+        assert abs(flops / plain_flops - share) < 0.1, (flops / plain_flops, share)  # no loop in a group
 
 
 def test_the_chunk_loop_moves_nothing_over_the_context_axis():

@@ -304,6 +304,14 @@ def test_a_context_parallel_layout_is_read_and_its_gathers_timed_from_the_module
     assert steptime.module_comm(cfg, mesh, [group], hw) == {"cp": pytest.approx(steptime._ring(1e9, 2, 0, hw))}
     weights = group | {"axes": ["fsdp", "context"], "group": 16}
     assert set(steptime.module_comm(cfg, mesh, [weights], hw)) == {"fsdp"}
+    # the 32K recipe's chunked attention, load-balanced: each GPU computes prefix_share of the unbalanced work
+    from MaxText.layers.attention import prefix_share
+
+    recipe = os.path.join("configs", "gpu", "deepseek3-671b-32k-gb200-128.yml")
+    mesh = {"data": 1, "fsdp": 4, "context": 4, "expert": 8, "tensor": 1}
+    shares = [steptime.layout_from_config(load_config([recipe, f"context_parallel_load_balance={b}"]), mesh,
+                                          128).attention_share for b in ("true", "false")]
+    assert shares == [prefix_share(32768, 4, 512), 1.0] and 0.6 < shares[0] < 0.75, shares
 
 
 def test_search_splits_long_sequences_over_the_context_axis():

@@ -47,6 +47,7 @@ class Attention(DenseGemms, nnx.Module):
         self.rope_interleave = interleaved(cfg)
         self.rope_scale = attention_factor(cfg)
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
+        self.load_balance = cfg.context_parallel_load_balance
         self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
@@ -55,7 +56,7 @@ class Attention(DenseGemms, nnx.Module):
         q, k, v = self._qkv(x_BLD, positions_BL)
         k, v = (whole_sequence(a, ("activation_batch", None, "activation_kv_heads", None), self.rules) for a in (k, v))
         out_BLHK = attention(q, k, v, segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size,
-                             rules=self.rules)
+                             rules=self.rules, load_balance=self.load_balance)
         return self._out(out_BLHK)
 
     def _qkv(self, x_BLD, positions_BL):
@@ -120,15 +121,16 @@ def cached_attention(q_BTHK, k_BSNK, v_BSNV, start, scale: float):
 
 
 def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None,
-              rules=None):
+              rules=None, load_balance: bool = False):
     """The `attention` config choice: dot_product (all [B, H, L, L] scores at once), chunked (one
     [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass) or cudnn_flash
     (cuDNN's fused kernel on CUDA, chunked elsewhere and for rows with more documents than it takes).
     rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding. Under context
-    parallelism (k, v whole: whole_sequence) the XLA paths run per device (context_parallel)."""
+    parallelism (k, v whole: whole_sequence) the XLA paths run per device (context_parallel), the chunked one
+    load-balanced with context_parallel_load_balance."""
     if context_axes(rules) and impl != "cudnn_flash":
         return context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, impl=impl, chunk_size=chunk_size,
-                                scale=scale, rules=rules)
+                                scale=scale, rules=rules, load_balance=load_balance)
     if impl == "cudnn_flash":
         scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
         fallback = functools.partial(chunked_attention, chunk_size=chunk_size, scale=scale)
@@ -149,24 +151,30 @@ def context_axes(rules) -> tuple:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
-def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules):
+def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules,
+                     load_balance: bool = False):
     """Context parallelism's all-gather strategy on one device, in shard_map: its piece of every sequence's queries
     (positions from the piece's start on) against the whole keys and values it was given, document masking by the
     whole row's segment ids. Left to the partitioner, the chunked path's loop over query chunks re-gathered the keys
     in every trip. The backward sums the keys' and values' cotangents over the context axes (an all-reduce of the
-    whole sequence's: for MLA its expanded keys and values, before the latent's reduce-scatter)."""
+    whole sequence's: for MLA its expanded keys and values, before the latent's reduce-scatter). load_balance
+    (chunked): balanced_chunks."""
     axes = context_axes(rules)
     spec = functools.partial(logical_to_spec, rules=rules)
     q_spec = spec(("activation_batch", "activation_length", "activation_heads", None))
     kv_spec = spec(("activation_batch", None, "activation_kv_heads", None))
     row, rows = spec(("activation_batch", "activation_length")), spec(("activation_batch", None))
     scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
-    piece = q_BLHK.shape[1] // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    piece = q_BLHK.shape[1] // devices
+    balance = load_balance and impl == "chunked" and piece % 2 == 0
 
     def local(q, k, v, q_segment_ids, kv_segment_ids):
         # Whole on every device, the keys and values are marked as varying over the context axes here, so that the
         # backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
         k, v = jax.lax.pcast((k, v), axes, to="varying")
+        if balance:
+            return balanced_chunks(q, k, v, kv_segment_ids, axes, devices, chunk_size, scale)
         start = jax.lax.axis_index(axes) * piece
         if impl == "chunked":
             return _chunked(q, k, v, q_segment_ids, kv_segment_ids, start, chunk_size, scale)
@@ -174,6 +182,73 @@ def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk
 
     return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row, rows), out_specs=q_spec)(
         q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, segment_ids_BL)
+
+
+def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: int, chunk_size: int, scale):
+    """Causal load balance for context parallelism's chunked attention, on one device in shard_map. The sequence is
+    2c blocks (c devices); device j holds blocks 2j and 2j + 1 (its piece) but computes the queries of blocks j and
+    2c - 1 - j, one early and one late, so that every device's queries see about as many keys: the queries travel
+    there (two collective permutes of half a piece) and their outputs back. Each group of query rows is computed
+    against the keys up to the last any device's group in that place can see, a static prefix: about 0.7 of the
+    whole-sequence rectangle the unbalanced chunked path computes (prefix_share). The same numbers as the
+    unbalanced path, but for padding query rows (segment 0), whose outputs the loss masks out."""
+    b, piece = q_BPHK.shape[:2]
+    half = piece // 2
+    j = jax.lax.axis_index(axes)
+    # Half h of device d's piece is block 2d + h, which device computer(2d + h) takes: a permutation per half.
+    perms = [[(d, balanced_computer(2 * d + h, devices)) for d in range(devices)] for h in (0, 1)]
+    moved = [jax.lax.ppermute(part, axes, perm) for part, perm in zip((q_BPHK[:, :half], q_BPHK[:, half:]), perms)]
+    # Of device j's blocks j and 2c - 1 - j, the even one came by the first permutation.
+    even = j % 2 == 0
+    early, late = jnp.where(even, moved[0], moved[1]), jnp.where(even, moved[1], moved[0])
+    outs = []
+    for q_BHHK, start, latest in ((early, j * half, (devices - 1) * half),
+                                  (late, (2 * devices - 1 - j) * half, (2 * devices - 1) * half)):
+        q_segment_ids = jax.lax.dynamic_slice_in_dim(kv_segment_ids_BS, start, half, axis=1)
+        outs.append(_prefix_chunks(q_BHHK, k_BSNK, v_BSNV, q_segment_ids, kv_segment_ids_BS, start, latest,
+                                   chunk_size, scale))
+    back = [jax.lax.ppermute(out, axes, [(dst, src) for src, dst in perm]) for out, perm in
+            zip((jnp.where(even, outs[0], outs[1]), jnp.where(even, outs[1], outs[0])), perms)]
+    return jnp.concatenate(back, axis=1)
+
+
+def balanced_computer(block: int, devices: int) -> int:
+    """The device that computes the queries of `block` (of 2 x devices) under causal load balance."""
+    return block if block < devices else 2 * devices - 1 - block
+
+
+# Row groups per balanced block, each with its own static key prefix (and a loop over its chunks): more would unroll
+# more attention into the layer (compile time), fewer would compute more of the masked-out triangle.
+PREFIX_GROUPS = 8
+
+
+def prefix_rows(queries: int, latest: int, keys: int, chunk_size: int) -> list[tuple[int, int, int]]:
+    """(first row, last row + 1, keys) of each group of `queries` rows starting at most at position `latest`: whole
+    chunks, at most PREFIX_GROUPS groups, each with the static key prefix its last row needs on every device."""
+    c = min(chunk_size, queries)
+    rows = -(-queries // (PREFIX_GROUPS * c)) * c
+    return [(lo, min(lo + rows, queries), min(latest + min(lo + rows, queries), keys))
+            for lo in range(0, queries, rows)]
+
+
+def prefix_share(length: int, devices: int, chunk_size: int) -> float:
+    """Of the score rectangle the unbalanced chunked path computes on a device ((length / devices) x length), the
+    share balanced_chunks computes."""
+    half = length // (2 * devices)
+    done = sum((hi - lo) * keys for latest in ((devices - 1) * half, (2 * devices - 1) * half)
+               for lo, hi, keys in prefix_rows(half, latest, length, chunk_size))
+    return done / (2 * half * length)
+
+
+def _prefix_chunks(q_BQHK, k_BSNK, v_BSNV, q_segment_ids_BQ, kv_segment_ids_BS, q_start, latest: int,
+                   chunk_size: int, scale):
+    """_chunked for queries at q_start.. (q_start <= latest on every device), a group of rows at a time, each
+    against the static key prefix it needs (prefix_rows)."""
+    outs = []
+    for lo, hi, keys in prefix_rows(q_BQHK.shape[1], latest, k_BSNK.shape[1], chunk_size):
+        outs.append(_chunked(q_BQHK[:, lo:hi], k_BSNK[:, :keys], v_BSNV[:, :keys], q_segment_ids_BQ[:, lo:hi],
+                             kv_segment_ids_BS[:, :keys], q_start + lo, chunk_size, scale))
+    return jnp.concatenate(outs, axis=1)
 
 
 def attention_mask(q_segment_ids_BQ, kv_segment_ids_BS, q_start=0):

@@ -63,6 +63,7 @@ class MLA(DenseGemms, nnx.Module):
         self.softmax_scale = scale
         self.q_lora_rank, self.kv_lora_rank, self.nope_dim = rq, rkv, nope
         self.attention, self.attention_chunk_size = cfg.attention, cfg.attention_chunk_size
+        self.load_balance = cfg.context_parallel_load_balance
         self.quantization = cfg.quantization
         self.dtype = dtype
         self.rules = rules
@@ -107,7 +108,8 @@ class MLA(DenseGemms, nnx.Module):
 
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
-                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules)
+                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules,
+                             load_balance=self.load_balance)
         return self._out(out_BLHV)
 
     def _out(self, out_BLHV):

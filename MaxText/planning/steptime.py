@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.load import batch_parts, global_batch_size, layer_counts, load_config
+from MaxText.layers.attention import prefix_share
 from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
 from MaxText.planning.params import parameter_counts
@@ -134,6 +135,8 @@ class Layout(NamedTuple):
     dualpipe: bool = False          # DeepSeek's bidirectional pipeline: half the 1F1B bubble
     recompute: float = 0.0          # fraction of a layer's forward FLOPs recomputed in the backward
     attention_kernel: str = "flash"  # flash | xla
+    attention_share: float = 1.0    # of its attention work, the share a GPU computes (context parallelism's causal
+                                    # load balance: attention.prefix_share)
     zero: bool = True               # distributed optimizer: reduce-scatter gradients, all-gather parameters
     grad_bytes: float = 4.0         # gradient reduction dtype
     gather_bytes: float = 2.0       # FSDP / ZeRO parameter all-gather dtype
@@ -157,6 +160,9 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
     fsdp = mesh_shape["fsdp"] * cp  # the weights are sharded over the context axis too
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
     nccl_ep = nccl_ep_used(cfg, mesh_shape)
+    length = cfg.max_target_length
+    balanced = (cp > 1 and cfg.attention == "chunked" and cfg.context_parallel_load_balance
+                and (length // cp) % 2 == 0)  # attention.context_parallel's condition
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
         tp=tp, ep=ep, cp=cp, cp_local=_local(ici("context"), ici("expert") * ici("tensor"), cp, domain),
@@ -172,6 +178,7 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
+        attention_share=prefix_share(length, cp, cfg.attention_chunk_size) if balanced else 1.0,
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
@@ -348,7 +355,7 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
         (m.dense_gemm_flops + redundant - quantized) / peak(lay.gemm_precision)
         + quantized / peak(lay.dense_precision or lay.gemm_precision))
     t["grouped_gemm"] = tokens * m.grouped_gemm_flops * passes / (peak(grouped_precision) * GROUPED_GEMM_EFFICIENCY)
-    t["attention"] = tokens * m.attention_flops * passes / (
+    t["attention"] = tokens * m.attention_flops * passes * lay.attention_share / (
         hw.bf16_tflops * 1e12 * ATTENTION_EFFICIENCY[lay.attention_kernel])
     hbm = hw.hbm_tbps * 1e12 * HBM_EFFICIENCY
     d, k, f = m.emb, m.top_k, m.moe_hidden
