@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from MaxText.planning import preflight
+from MaxText.planning import preflight, steptime
 from MaxText.parallel import sharding
 from MaxText.config.parse import CONFIG_DIR
 from MaxText.config.errors import ConfigError
@@ -39,6 +39,16 @@ def test_every_gpu_recipe_passes(recipe):
     # were 22 TB (attention's chunk loop left to the partitioner re-gathered the keys in every trip)
     gathered = float(re.search(r"all-gather ([\d.]+) GiB", lowering).group(1))
     assert gathered < 1000, lowering
+    # context parallelism's load balance: the queries and outputs the module permutes, as the step-time model has them
+    cfg = load_config([path])
+    shape = sharding.mesh_shape(cfg, cfg.num_devices)
+    layout = steptime.layout_from_config(cfg, shape, cfg.num_devices)
+    model = steptime.Model.from_config(cfg, 0.0)
+    tokens = layout.global_batch * layout.seq / layout.devices
+    want = steptime.balance_permute_bytes(model, layout, tokens) / 2 ** 30
+    permuted = re.search(r"collective-permute ([\d.]+) GiB", lowering)
+    if want:
+        assert permuted and abs(float(permuted.group(1)) / want - 1) < 0.25, (want, lowering)
     # Without a corpus named, only the data row fails (the benchmark recipe generates its tokens).
     if load_config([path]).dataset_type == "tfds":
         assert set(_rows(preflight.preflight([path], lower=False), "fail")) == {"data"}

@@ -284,6 +284,12 @@ def test_context_parallelism_gathers_each_layers_keys_and_repeats_mlas_up_projec
     extra = tokens * passes * 2 * 512 * 128 * 256 * 62 / (hw.bf16_tflops * 1e12 * steptime.GEMM_EFFICIENCY)
     assert two["compute_s"]["dense_gemm"] - one["compute_s"]["dense_gemm"] == pytest.approx(extra)
     assert four["compute_s"]["attention"] == one["compute_s"]["attention"]  # the same share of the work per GPU
+    # causal load balance: 0.7 of the score work, for the queries and outputs sent to and fro (128 x 320 numbers a
+    # token each way: forward, backward)
+    balanced = steptime.step_time(m, base._replace(cp=2, attention_share=0.7), hw)
+    assert balanced["compute_s"]["attention"] == pytest.approx(0.7 * two["compute_s"]["attention"])
+    sent = 62 * 2 * tokens * 128 * 320 * 2 / (hw.nvlink_gbps * 1e9 * steptime.COLLECTIVE_EFFICIENCY)
+    assert balanced["comm_s"]["cp"] - two["comm_s"]["cp"] == pytest.approx(sent)
     qwen = steptime.Model.from_config(load_config(["configs/base.yml", "model_name=qwen3-30b-a3b"]), 30.5e9)
     assert qwen.kv_gather_width == qwen.kv_grad_width == 2 * 4 * 128 and qwen.kv_up_flops == 0
     assert (m.kv_gather_width, m.kv_grad_width) == (512 + 64, 128 * (128 + 64 + 128))

@@ -280,6 +280,8 @@ class Model(NamedTuple):
     kv_gather_by_tp: bool = True  # whether tensor parallelism splits them (heads; MLA's latent is whole)
     kv_grad_width: int = 0      # numbers of a token's keys and values (MLA: expanded, every head's), whose cotangents
                                 # context parallelism sums over its group (split by tensor parallelism)
+    q_out_width: int = 0        # numbers of a token's queries and attention output in a layer (all heads), which
+                                # context parallelism's load balance moves between the devices of a group
     kv_up_flops: float = 0.0    # MLA's key/value up-projection, forward FLOPs per token over all layers: context
                                 # parallelism computes it for the whole gathered sequence on each device
 
@@ -297,14 +299,16 @@ class Model(NamedTuple):
         if cfg.attention_type == "mla":
             width, by_tp = cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
             grad = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+            q_out = grad
             kv_up = layers * 2 * cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         else:
             width, by_tp, kv_up = 2 * cfg.base_num_kv_heads * cfg.head_dim, True, 0.0
-            grad = width
+            grad, q_out = width, 2 * cfg.base_num_query_heads * cfg.head_dim
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
                    layers, head, d * cfg.vocab_size, 1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg),
-                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, kv_up_flops=kv_up)
+                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, q_out_width=q_out,
+                   kv_up_flops=kv_up)
 
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
@@ -404,6 +408,7 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
         whole = tokens * lay.cp * 2  # bytes per number of a token: the whole sequences' on each device
         comm["cp"] = m.layers * ((1 + lay.recompute) * _ring(whole * gather, lay.cp, lay.cp_local, hw)
                                  + 2 * _ring(whole * m.kv_grad_width / lay.tp, lay.cp, lay.cp_local, hw))
+        comm["cp"] += balance_permute_time(m, lay, hw, tokens)
     links = {"dense": (fsdp_dense, lay.fsdp_dense_local), "expert": (lay.fsdp, lay.fsdp_local)}
     fsdp = sum(_ring(b, *links[part], hw) for part, kinds in fsdp_collective_bytes(m, lay).items()
                for b in kinds.values())
@@ -421,6 +426,21 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
     if lay.offload_bytes:
         comm["offload"] = 2 * lay.offload_bytes / (hw.host_gbps * 1e9)
     return comm
+
+
+def balance_permute_bytes(m: Model, lay: Layout, tokens: float) -> float:
+    """Bytes a GPU sends per step for context parallelism's causal load balance (attention.balanced_chunks): each
+    layer sends the device's queries to the devices that compute them and their outputs back (collective permutes),
+    again where recomputed, and the cotangents of both the other way in the backward; bf16."""
+    if lay.cp <= 1 or lay.attention_share >= 1.0:
+        return 0.0
+    return m.layers * (2 + lay.recompute) * tokens * m.q_out_width / lay.tp * 2
+
+
+def balance_permute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> float:
+    """Seconds per step of balance_permute_bytes, each GPU over its own link (NVLink, or its NIC across domains)."""
+    bw = (hw.nvlink_gbps if not lay.cp_local else hw.nic_gbps) * 1e9 * COLLECTIVE_EFFICIENCY
+    return balance_permute_bytes(m, lay, tokens) / bw
 
 
 def ep_hidden_fraction(lay: Layout, t: dict, ep_s: float) -> float:
@@ -464,8 +484,10 @@ def step_time(m: Model, lay: Layout, hw: Hardware, module_comm: dict | None = No
     tokens = lay.global_batch * lay.seq / lay.devices  # per GPU per step
     t, compute = compute_time(m, lay, hw, tokens)
     comm = comm_time(m, lay, hw, tokens)
-    if module_comm is not None:  # the compiled module's FSDP, DP and TP collectives replace the formulas'
+    if module_comm is not None:  # the compiled module's FSDP, DP, TP and CP collectives replace the formulas'
         comm = {k: v for k, v in comm.items() if k not in ("fsdp", "dp", "tp", "cp")} | module_comm
+        if "cp" in comm:  # but for the load balance's collective permutes, which module_comm does not time
+            comm["cp"] += balance_permute_time(m, lay, hw, tokens)
 
     overlap = OVERLAP | {"ep": ep_hidden_fraction(lay, t, comm.get("ep", 0.0))}
     if lay.ep_overlap == "none" and overlap["ep"]:  # the exchange's kernels hold SMs while compute runs beside them
