@@ -268,18 +268,20 @@ def test_nccl_ep_crosses_the_nics_once_per_destination_node():
 
 def test_context_parallelism_gathers_each_layers_keys_and_repeats_mlas_up_projection():
     """Context parallelism over c GPUs: each layer gathers its keys and values (MLA: the latent) over the group in the
-    forward, all-reduces their (MLA: expanded) cotangents in the backward: at the same tokens per GPU, c = 4 moves 3x
-    the bytes of c = 2 ((c - 1) / c of a c times longer buffer); inside an NVLink domain the NIC does not matter, across domains it
-    does. MLA expands the whole gathered sequence into keys and values on each of the c GPUs (DeepSeek-V3: 2 x 512 x
+    forward, all-reduces their cotangents in the backward: at the same tokens per GPU, c = 4 moves 3x the bytes of
+    c = 2 ((c - 1) / c of a c times longer buffer), besides MLA's up-projection weight gradient, summed over every GPU
+    whatever c; inside an NVLink domain the NIC does not matter, across domains it does. MLA expands the whole gathered sequence into keys and values on each of the c GPUs (DeepSeek-V3: 2 x 512 x
     128 x (128 + 128) FLOPs a token in each of its 61 layers and the MTP depth); GQA computes nothing twice."""
     m, hw = _model(), steptime.HARDWARE["gb200"]
     base = steptime.Layout(128, 32768, 64, ep=8, fsdp=16, fsdp_dense=128)
     one, two, four = (steptime.step_time(m, base._replace(cp=c), hw) for c in (1, 2, 4))
-    assert "cp" not in one["comm_s"] and two["comm_s"]["cp"] > 0
-    assert four["comm_s"]["cp"] == pytest.approx(3 * two["comm_s"]["cp"])
+    weight = 62 * 2 * steptime._ring(512 * 128 * 256 * 2, 128, 0, hw)  # [512, 128 heads, 128 + 128] bf16 a layer
+    assert "cp" not in one["comm_s"] and two["comm_s"]["cp"] > weight > 0
+    assert four["comm_s"]["cp"] - weight == pytest.approx(3 * (two["comm_s"]["cp"] - weight))
     assert steptime.step_time(m, base._replace(cp=2), hw._replace(nic_gbps=1))["comm_s"]["cp"] == two["comm_s"]["cp"]
     across = steptime.step_time(m, base._replace(cp=2, cp_local=1), hw)  # each member in its own NVLink domain
-    assert across["comm_s"]["cp"] == pytest.approx(two["comm_s"]["cp"] * hw.nvlink_gbps / hw.nic_gbps)
+    assert across["comm_s"]["cp"] - weight == pytest.approx((two["comm_s"]["cp"] - weight) * hw.nvlink_gbps
+                                                            / hw.nic_gbps)
     tokens, passes = 64 * 32768 / 128, 3  # no recomputation in this layout: forward once, backward twice a forward
     extra = tokens * passes * 2 * 512 * 128 * 256 * 62 / (hw.bf16_tflops * 1e12 * steptime.GEMM_EFFICIENCY)
     assert two["compute_s"]["dense_gemm"] - one["compute_s"]["dense_gemm"] == pytest.approx(extra)
@@ -292,7 +294,7 @@ def test_context_parallelism_gathers_each_layers_keys_and_repeats_mlas_up_projec
     assert balanced["comm_s"]["cp"] - two["comm_s"]["cp"] == pytest.approx(sent)
     qwen = steptime.Model.from_config(load_config(["configs/base.yml", "model_name=qwen3-30b-a3b"]), 30.5e9)
     assert qwen.kv_gather_width == qwen.kv_grad_width == 2 * 4 * 128 and qwen.kv_up_flops == 0
-    assert (m.kv_gather_width, m.kv_grad_width) == (512 + 64, 128 * (128 + 64 + 128))
+    assert (m.kv_gather_width, m.kv_grad_width, m.q_out_width) == (512 + 64, 512 + 64, 128 * (128 + 64 + 128))
     gqa = [steptime.step_time(qwen, base._replace(cp=c), hw) for c in (1, 2)]
     assert gqa[0]["compute_s"] == gqa[1]["compute_s"] and gqa[1]["comm_s"]["cp"] > 0
 

@@ -120,6 +120,9 @@ def cached_attention(q_BTHK, k_BSNK, v_BSNV, start, scale: float):
     return _softmax_values(q_BTHK, k_BSNK, v_BSNV, mask_BTS, scale)
 
 
+KV_AXES = ("activation_batch", None, "activation_kv_heads", None)  # keys and values, the length whole
+
+
 def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale: float | None = None,
               rules=None, load_balance: bool = False):
     """The `attention` config choice: dot_product (all [B, H, L, L] scores at once), chunked (one
@@ -128,9 +131,21 @@ def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: 
     rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding. Under context
     parallelism (k, v whole: whole_sequence) the XLA paths run per device (context_parallel), the chunked one
     load-balanced with context_parallel_load_balance."""
+    return expanded_attention(q_BLHK, lambda k, v, rules: (k, v), (k_BSNK, v_BSNV), (KV_AXES, KV_AXES),
+                              segment_ids_BL, impl=impl, chunk_size=chunk_size, scale=scale, rules=rules,
+                              load_balance=load_balance)
+
+
+def expanded_attention(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: str, chunk_size: int,
+                       scale: float | None = None, rules=None, load_balance: bool = False):
+    """attention against the keys and values expand(*kv_args, rules) -> (k, v) (GQA: given; MLA: expanded from the
+    whole sequence's latent), kv_axes the logical axes of kv_args. Under context parallelism the expansion runs per
+    device with the attention (context_parallel), so the backward sums kv_args' cotangents over the context axis
+    (MLA: the latent's, 576 numbers a token, not its expanded keys' and values' 40960)."""
     if context_axes(rules) and impl != "cudnn_flash":
-        return context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, impl=impl, chunk_size=chunk_size,
+        return context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, impl=impl, chunk_size=chunk_size,
                                 scale=scale, rules=rules, load_balance=load_balance)
+    k_BSNK, v_BSNV = expand(*kv_args, rules)
     if impl == "cudnn_flash":
         scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
         fallback = functools.partial(chunked_attention, chunk_size=chunk_size, scale=scale)
@@ -151,28 +166,32 @@ def context_axes(rules) -> tuple:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
-def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules,
+def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules,
                      load_balance: bool = False):
     """Context parallelism's all-gather strategy on one device, in shard_map: its piece of every sequence's queries
-    (positions from the piece's start on) against the whole keys and values it was given, document masking by the
-    whole row's segment ids. Left to the partitioner, the chunked path's loop over query chunks re-gathered the keys
-    in every trip. The backward sums the keys' and values' cotangents over the context axes (an all-reduce of the
-    whole sequence's: for MLA its expanded keys and values, before the latent's reduce-scatter). load_balance
-    (chunked): balanced_chunks."""
+    (positions from the piece's start on) against the whole keys and values expanded there from kv_args (given
+    whole: XLA gathers them over the context axis), document masking by the whole row's segment ids. Left to the
+    partitioner, the chunked path's loop over query chunks re-gathered the keys in every trip. The backward sums
+    kv_args' cotangents over the axes they are whole on (an all-reduce over the context axis; a gathered weight's,
+    over the batch axes too). load_balance (chunked): balanced_chunks."""
     axes = context_axes(rules)
     spec = functools.partial(logical_to_spec, rules=rules)
     q_spec = spec(("activation_batch", "activation_length", "activation_heads", None))
-    kv_spec = spec(("activation_batch", None, "activation_kv_heads", None))
+    kv_specs = tuple(spec(a) for a in kv_axes)
     row, rows = spec(("activation_batch", "activation_length")), spec(("activation_batch", None))
     scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
     devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
     piece = q_BLHK.shape[1] // devices
     balance = load_balance and impl == "chunked" and piece % 2 == 0
 
-    def local(q, k, v, q_segment_ids, kv_segment_ids):
-        # Whole on every device, the keys and values are marked as varying over the context axes here, so that the
-        # backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
-        k, v = jax.lax.pcast((k, v), axes, to="varying")
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+
+    def local(q, q_segment_ids, kv_segment_ids, *kv_args):
+        # Whole on devices that differ in their queries, kv_args are marked as varying over those axes here, so that
+        # the backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
+        kv_args = [jax.lax.pcast(a, tuple(m for m in mesh_axes if m not in _spec_axes(s)), to="varying")
+                   for a, s in zip(kv_args, kv_specs)]
+        k, v = expand(*kv_args, None)
         if balance:
             return balanced_chunks(q, k, v, kv_segment_ids, axes, devices, chunk_size, scale)
         start = jax.lax.axis_index(axes) * piece
@@ -180,8 +199,13 @@ def context_parallel(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk
             return _chunked(q, k, v, q_segment_ids, kv_segment_ids, start, chunk_size, scale)
         return _attend(q, k, v, q_segment_ids, kv_segment_ids, start, scale)
 
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, row, rows), out_specs=q_spec)(
-        q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, segment_ids_BL)
+    return jax.shard_map(local, in_specs=(q_spec, row, rows, *kv_specs), out_specs=q_spec)(
+        q_BLHK, segment_ids_BL, segment_ids_BL, *kv_args)
+
+
+def _spec_axes(spec) -> set:
+    """The mesh axes a PartitionSpec splits over."""
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
 
 
 def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: int, chunk_size: int, scale):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.attention import attention, cached_mask, whole_sequence, write_cache
-from MaxText.layers.linear import DenseGemms
+from MaxText.layers.attention import cached_mask, expanded_attention, whole_sequence, write_cache
+from MaxText.layers.linear import DenseGemms, dense_gemm
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies, yarn_mscale
@@ -92,25 +92,31 @@ class MLA(DenseGemms, nnx.Module):
         return self.kv_norm(c_kv_BLR), self._rope(k_pe_BLP[:, :, None, :], positions_BL)
 
     def __call__(self, x_BLD, positions_BL, segment_ids_BL):
-        b, l, _ = x_BLD.shape
         q_BLHK = self._query(x_BLD, positions_BL)
         c_BLR, k_pe_BL1P = self._latent(x_BLD, positions_BL)
-        # Context parallelism gathers the latent (Rkv + P numbers a token), not the keys and values it expands to.
+        # Context parallelism gathers the latent (Rkv + P numbers a token), not the keys and values it expands to;
+        # the expansion runs with the attention, on each device (expanded_attention).
         c_BLR = whole_sequence(c_BLR, ("activation_batch", None, None), self.rules)
         k_pe_BL1P = whole_sequence(k_pe_BL1P, ("activation_batch", None, None, None), self.rules)
-        kv_BLHK = self._gemm("blr,rhk->blhk", c_BLR, "wkv_b")
-        kv_BLHK = constrain(kv_BLHK, ("activation_batch", None, "activation_heads", None), self.rules)  # length whole
+        w_RHK = self.wkv_b[...].astype(self.dtype)
+        # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
+        out_BLHV = expanded_attention(
+            q_BLHK, self._keys_values, (c_BLR, k_pe_BL1P, w_RHK),
+            (("activation_batch", None, None), ("activation_batch", None, None, None), (None, "activation_heads", None)),
+            segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size, scale=self.softmax_scale,
+            rules=self.rules, load_balance=self.load_balance)
+        return self._out(out_BLHV)
+
+    def _keys_values(self, c_BLR, k_pe_BL1P, w_RHK, rules):
+        """Every head's keys (nope part expanded from the latent, the shared rope key) and values [B, L, H, .]; rules
+        None inside context parallelism's per-device function (no sharding constraints there)."""
+        kv_BLHK = dense_gemm("blr,rhk->blhk", c_BLR, w_RHK, self.quantization, self.AXES["wkv_b"], rules)
+        kv_BLHK = constrain(kv_BLHK, ("activation_batch", None, "activation_heads", None), rules)  # length whole
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
-        h = k_nope.shape[2]
+        b, l, h, _ = k_nope.shape
         k_pe_BLHP = jnp.broadcast_to(k_pe_BL1P, (b, l, h, k_pe_BL1P.shape[-1]))
         k_BLHK = checkpoint_name(jnp.concatenate([k_nope, k_pe_BLHP], axis=-1), "key_proj")
-        v_BLHV = checkpoint_name(v_BLHV, "value_proj")
-
-        # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
-        out_BLHV = attention(q_BLHK, k_BLHK, v_BLHV, segment_ids_BL, impl=self.attention,
-                             chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules,
-                             load_balance=self.load_balance)
-        return self._out(out_BLHV)
+        return k_BLHK, checkpoint_name(v_BLHV, "value_proj")
 
     def _out(self, out_BLHV):
         out = checkpoint_name(self._gemm("blhv,hvd->bld", out_BLHV, "out"), "out_proj")

@@ -16,8 +16,8 @@ hidden units over tensor parallelism, experts over expert parallelism):
             over NVLink), TP all-reduces, FSDP all-gathers and reduce-scatters (the volumes this trainer's
             compiled step has: fsdp_collective_bytes, held to the module by tests/test_collectives.py),
             data-parallel gradient reduction, context parallelism's all-gathers of each layer's keys and values
-            (MLA: its latent; each device then computes MLA's key/value up-projection for the whole sequence) and
-            the all-reduce of their cotangents,
+            (MLA: its latent; each device then computes MLA's key/value up-projection for the whole sequence),
+            the all-reduce of their cotangents and the load balance's permutes of queries and outputs,
             host offload over PCIe / NVLink-C2C. Given a lowering's
             collectives (module_comm), the module's own FSDP, DP and TP groups replace those formulas.
   overlap   each collective kind runs a stated fraction under compute (OVERLAP, EP_OVERLAP: assumptions per
@@ -278,8 +278,10 @@ class Model(NamedTuple):
     kv_gather_width: int = 0    # numbers a token's keys and values (MLA: its latent) have in a layer, which context
                                 # parallelism gathers
     kv_gather_by_tp: bool = True  # whether tensor parallelism splits them (heads; MLA's latent is whole)
-    kv_grad_width: int = 0      # numbers of a token's keys and values (MLA: expanded, every head's), whose cotangents
-                                # context parallelism sums over its group (split by tensor parallelism)
+    kv_grad_width: int = 0      # numbers of a token's keys and values (MLA: its latent), whose cotangents context
+                                # parallelism sums over its group
+    kv_up_params: float = 0.0   # MLA's key/value up-projection weight, one layer's: under context parallelism its
+                                # gradient is summed over the batch and context axes (an all-reduce) each layer
     q_out_width: int = 0        # numbers of a token's queries and attention output in a layer (all heads), which
                                 # context parallelism's load balance moves between the devices of a group
     kv_up_flops: float = 0.0    # MLA's key/value up-projection, forward FLOPs per token over all layers: context
@@ -298,17 +300,18 @@ class Model(NamedTuple):
         layers = cfg.base_num_decoder_layers + cfg.mtp_num_layers
         if cfg.attention_type == "mla":
             width, by_tp = cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
-            grad = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-            q_out = grad
+            grad = width
+            q_out = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+            up = cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             kv_up = layers * 2 * cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         else:
             width, by_tp, kv_up = 2 * cfg.base_num_kv_heads * cfg.head_dim, True, 0.0
-            grad, q_out = width, 2 * cfg.base_num_query_heads * cfg.head_dim
+            grad, q_out, up = width, 2 * cfg.base_num_query_heads * cfg.head_dim, 0.0
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
                    layers, head, d * cfg.vocab_size, 1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg),
-                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, q_out_width=q_out,
-                   kv_up_flops=kv_up)
+                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, kv_up_params=up,
+                   q_out_width=q_out, kv_up_flops=kv_up)
 
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
@@ -402,12 +405,15 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
         comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, 0, hw)
     if lay.cp > 1 and m.kv_gather_width:
         # each layer gathers its keys and values (MLA: the latent) over the context group, again where the layer is
-        # recomputed, and in the backward sums the whole keys' and values' cotangents (MLA: expanded) over it, an
-        # all-reduce (attention.context_parallel); bf16
+        # recomputed, and in the backward sums their cotangents over it, an all-reduce (attention.context_parallel;
+        # MLA: the latent's, and its up-projection's weight gradient over the batch axes too); bf16
         gather = m.kv_gather_width / (lay.tp if m.kv_gather_by_tp else 1)
         whole = tokens * lay.cp * 2  # bytes per number of a token: the whole sequences' on each device
         comm["cp"] = m.layers * ((1 + lay.recompute) * _ring(whole * gather, lay.cp, lay.cp_local, hw)
-                                 + 2 * _ring(whole * m.kv_grad_width / lay.tp, lay.cp, lay.cp_local, hw))
+                                 + 2 * _ring(whole * m.kv_grad_width / (lay.tp if m.kv_gather_by_tp else 1),
+                                             lay.cp, lay.cp_local, hw)
+                                 + 2 * _ring(m.kv_up_params / lay.tp * 2, lay.devices // lay.tp,
+                                             lay.fsdp_dense_local, hw))
         comm["cp"] += balance_permute_time(m, lay, hw, tokens)
     links = {"dense": (fsdp_dense, lay.fsdp_dense_local), "expert": (lay.fsdp, lay.fsdp_local)}
     fsdp = sum(_ring(b, *links[part], hw) for part, kinds in fsdp_collective_bytes(m, lay).items()
