@@ -7,7 +7,7 @@ import sys
 
 from MaxText.config.errors import ConfigError, error_line
 from MaxText.config.load import cli_arguments, load_config
-from MaxText.planning import layout_search, plan, steptime
+from MaxText.planning import layout_search, plan, validation
 
 
 def main(argv=None) -> int:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
         return 0
     argv, as_json = parsed
     if argv == ["--validate"]:
-        rows = steptime.validate()
+        rows = validation.validate()
         print(json.dumps(rows, indent=2) if as_json else plan.format_validation(rows))
         return 0
     try:

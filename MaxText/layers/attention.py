@@ -20,7 +20,7 @@ from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
 from MaxText.layers.rope import apply_rope, attention_factor, interleaved, static_rope_frequencies
-from MaxText.parallel.sharding import constrain, logical_to_spec
+from MaxText.parallel.sharding import constrain, context_axes, logical_to_spec, spec_axes
 
 
 # Each projection's logical axes: its parameter's and what linear.dense_gemm gathers it by (DenseGemms).
@@ -156,16 +156,6 @@ def expanded_attention(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl
     return dot_product_attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, scale=scale)
 
 
-def context_axes(rules) -> tuple:
-    """The mesh axes of more than one device that split the sequence (activation_length): context parallelism's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if rules is None or mesh.empty:
-        return ()
-    spec = logical_to_spec(("activation_length",), rules)[0]
-    axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
-    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
-
-
 def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules,
                      load_balance: bool = False):
     """Context parallelism's all-gather strategy on one device, in shard_map: its piece of every sequence's queries
@@ -174,23 +164,22 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
     partitioner, the chunked path's loop over query chunks re-gathered the keys in every trip. The backward sums
     kv_args' cotangents over the axes they are whole on (an all-reduce over the context axis; a gathered weight's,
     over the batch axes too). load_balance (chunked): balanced_chunks."""
-    axes = context_axes(rules)
+    mesh, axes = jax.sharding.get_abstract_mesh(), context_axes(rules)
     spec = functools.partial(logical_to_spec, rules=rules)
     q_spec = spec(("activation_batch", "activation_length", "activation_heads", None))
     kv_specs = tuple(spec(a) for a in kv_axes)
     row, rows = spec(("activation_batch", "activation_length")), spec(("activation_batch", None))
     scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
-    devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+    devices = math.prod(mesh.shape[a] for a in axes)
     piece = q_BLHK.shape[1] // devices
-    balance = load_balance and impl == "chunked" and piece % 2 == 0
-
-    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+    balance = balanced(impl, load_balance, q_BLHK.shape[1], devices)
+    # the mesh axes each of kv_args is whole on (replicated over)
+    whole_on = [tuple(m for m in mesh.axis_names if m not in {a for e in s for a in spec_axes(e)}) for s in kv_specs]
 
     def local(q, q_segment_ids, kv_segment_ids, *kv_args):
         # Whole on devices that differ in their queries, kv_args are marked as varying over those axes here, so that
         # the backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
-        kv_args = [jax.lax.pcast(a, tuple(m for m in mesh_axes if m not in _spec_axes(s)), to="varying")
-                   for a, s in zip(kv_args, kv_specs)]
+        kv_args = [jax.lax.pcast(a, over, to="varying") for a, over in zip(kv_args, whole_on)]
         k, v = expand(*kv_args, None)
         if balance:
             return balanced_chunks(q, k, v, kv_segment_ids, axes, devices, chunk_size, scale)
@@ -203,9 +192,10 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
         q_BLHK, segment_ids_BL, segment_ids_BL, *kv_args)
 
 
-def _spec_axes(spec) -> set:
-    """The mesh axes a PartitionSpec splits over."""
-    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+def balanced(impl: str, load_balance: bool, length: int, devices: int) -> bool:
+    """Whether context parallelism over `devices` runs the load-balanced path (balanced_chunks): load_balance
+    (context_parallel_load_balance) with the chunked attention, each device's piece in two equal blocks."""
+    return devices > 1 and load_balance and impl == "chunked" and (length // devices) % 2 == 0
 
 
 def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: int, chunk_size: int, scale):
@@ -216,8 +206,7 @@ def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: in
     against the keys up to the last any device's group in that place can see, a static prefix: about 0.7 of the
     whole-sequence rectangle the unbalanced chunked path computes (prefix_share). The same numbers as the
     unbalanced path, but for padding query rows (segment 0), whose outputs the loss masks out."""
-    b, piece = q_BPHK.shape[:2]
-    half = piece // 2
+    half = q_BPHK.shape[1] // 2
     j = jax.lax.axis_index(axes)
     # Half h of device d's piece is block 2d + h, which device computer(2d + h) takes: a permutation per half.
     perms = [[(d, balanced_computer(2 * d + h, devices)) for d in range(devices)] for h in (0, 1)]

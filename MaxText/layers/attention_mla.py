@@ -100,11 +100,12 @@ class MLA(DenseGemms, nnx.Module):
         k_pe_BL1P = whole_sequence(k_pe_BL1P, ("activation_batch", None, None, None), self.rules)
         w_RHK = self.wkv_b[...].astype(self.dtype)
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
+        latent_axes = (("activation_batch", None, None), ("activation_batch", None, None, None),
+                       (None, "activation_heads", None))
         out_BLHV = expanded_attention(
-            q_BLHK, self._keys_values, (c_BLR, k_pe_BL1P, w_RHK),
-            (("activation_batch", None, None), ("activation_batch", None, None, None), (None, "activation_heads", None)),
-            segment_ids_BL, impl=self.attention, chunk_size=self.attention_chunk_size, scale=self.softmax_scale,
-            rules=self.rules, load_balance=self.load_balance)
+            q_BLHK, self._keys_values, (c_BLR, k_pe_BL1P, w_RHK), latent_axes, segment_ids_BL, impl=self.attention,
+            chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules,
+            load_balance=self.load_balance)
         return self._out(out_BLHV)
 
     def _keys_values(self, c_BLR, k_pe_BL1P, w_RHK, rules):

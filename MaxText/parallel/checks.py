@@ -54,7 +54,8 @@ def check_context(cfg, shape: dict) -> None:
     if cfg.num_experts > 1 and nccl_ep_used(cfg, shape):
         raise ConfigError(f"moe_impl=te_dropless's NCCL EP exchange with context parallelism ({axes} = {context}) is "
                           "not built yet (TE's MeshResource takes the context axis as a replica); set "
-                          "moe_dropless_fallback=layer (TE's router and grouped GEMMs, XLA's exchange) or moe_impl=ragged")
+                          "moe_dropless_fallback=layer (TE's router and grouped GEMMs, XLA's exchange) or "
+                          "moe_impl=ragged")
 
 
 def check_tensor_split(cfg, tensor: int) -> None:

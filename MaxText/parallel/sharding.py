@@ -93,10 +93,23 @@ def axis_rules(cfg) -> tuple[tuple[str, tuple[str, ...]], ...]:
     unsplit = {"context"} if cfg.ici_context_parallelism == 1 and cfg.dcn_context_parallelism == 1 else set()
     rules = []
     for name, axes in cfg.logical_axis_rules:
-        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        axes = tuple(a for a in axes if a not in unsplit)
+        axes = tuple(a for a in spec_axes(axes) if a not in unsplit)
         rules.append((name, axes or None))
     return tuple(rules)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, an axis name or a tuple of them) as a tuple of mesh axes."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def context_axes(rules) -> tuple[str, ...]:
+    """The current mesh's axes of more than one device that split the sequence (activation_length): context
+    parallelism's; () without rules or outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty:
+        return ()
+    return tuple(a for a in spec_axes(logical_to_spec(("activation_length",), rules)[0]) if mesh.shape.get(a, 1) > 1)
 
 
 def logical_to_spec(logical_axes, rules) -> P:

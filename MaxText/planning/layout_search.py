@@ -3,11 +3,12 @@
 Enumerates this trainer's layouts for the recipe's GPUs (its gpu_profile): tensor parallelism inside a host,
 expert parallelism over powers of two dividing num_experts (inside a slice first, then across slices), for
 sequences of LONG tokens or more context parallelism inside a slice (each sequence split over 2, 4 or 8 GPUs, a
-device then holding a fraction of one), FSDP over the rest; sequences per device; the recipe's remat policy and `full`; the batch whole or in two parts
-(use_batch_split_schedule); with a bounded receive buffer (ragged_buffer_factor), overflow counted as the recipe has
-it or either moe_dropless_fallback, which drops nothing (its rerun program must fit too; across slices its exchange
-in two hops, ep_two_hop). The state is traced once (its shardings
-come from the logical rules, whatever the mesh), so each candidate costs only MaxText.plan's byte counts and
+device then holding a fraction of one), FSDP over the rest; sequences per device; the recipe's remat policy and
+`full`; the batch whole or in two parts (use_batch_split_schedule); with a bounded receive buffer
+(ragged_buffer_factor), overflow counted as the recipe has it or either moe_dropless_fallback, which drops nothing
+(its rerun program must fit too; across slices its exchange in two hops, ep_two_hop). The state is traced once
+(twice with context parallelism; its shardings come from the logical rules, whatever the sizes), so each candidate
+costs only MaxText.plan's byte counts and
 MaxText.planning.steptime's model. Keeps the candidates that fit (at most HEADROOM of HBM), ranks them by modelled
 tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
 """

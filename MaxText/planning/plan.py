@@ -42,7 +42,7 @@ from MaxText.layers.moe.two_hop import hop_capacities
 from MaxText.planning.flops import model_flops_per_token
 from MaxText.step.state import state_spec
 from MaxText.config.storage import shown_path
-from MaxText.planning import steptime
+from MaxText.planning import steptime, validation
 from MaxText.planning.params import parameter_counts
 
 GIB = 2.0 ** 30
@@ -66,8 +66,7 @@ def shard_bytes(shape, dtype, spec, mesh_shape: dict, skip=()) -> int:
     axes in `skip` count as unsplit (an fsdp all-gather undoes them)."""
     dims = list(shape)
     for i, axes in enumerate(spec):
-        axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
-        split = math.prod(mesh_shape[a] for a in axes if a not in skip)
+        split = math.prod(mesh_shape[a] for a in sharding.spec_axes(axes) if a not in skip)
         dims[i] = -(-dims[i] // split)
     return math.prod(dims) * np.dtype(dtype).itemsize
 
@@ -141,7 +140,7 @@ def _attention(cfg, t: int, b: int, tp: int, a: int, cp: int = 1) -> LayerTensor
         named = {"mla_q": t * cfg.q_lora_rank * a, "mla_kv": t * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a,
                  "query_proj": t * h * qk * a, "key_proj": whole * h * qk * a, "value_proj": whole * h * v * a}
         # the normed low-rank inputs of the up-projections (the kv latent gathered whole)
-        other = t * cfg.q_lora_rank * a + (whole if cp > 1 else t) * cfg.kv_lora_rank * a
+        other = t * cfg.q_lora_rank * a + whole * cfg.kv_lora_rank * a
         out_width = h * v
         gathered = h * (qk + v)  # per key token: the cotangents of the whole keys and values in the backward
     else:
@@ -162,7 +161,7 @@ def _attention(cfg, t: int, b: int, tp: int, a: int, cp: int = 1) -> LayerTensor
         working = b * h * queries * length * 2 * 4
     else:
         working = b * h * min(cfg.attention_chunk_size, queries) * length * (2 * 4 + a)
-    if cp > 1:  # the whole keys' and values' cotangents, before they are reduce-scattered back to their pieces
+    if cp > 1:  # the whole keys' and values' cotangents (MLA: expanded), before they are summed over the axis
         working += whole * gathered * a
     if cfg.attention == "cudnn_flash":
         # the kernel's float32 softmax statistics [B * M, H, L]; MLA's V zero-padded to the q/k head dim
@@ -523,10 +522,10 @@ def format_table(p: dict) -> str:
 
 
 def format_validation(rows: list[dict]) -> str:
-    """The console view of steptime.validate()."""
+    """The console view of validation.validate()."""
     lines = [f"{'published run':<50}{'tokens/s/GPU':>13}{'model':>8}{'error':>8}  bound",
              *(f"{r['run']:<50}{r['published']:>13.0f}{r['model']:>8.0f}{r['error']:>+8.0%}  {r['bound']}"
                for r in rows),
-             f"goal: within {steptime.VALIDATION_GOAL:.0%} of each; sources:",
+             f"goal: within {validation.VALIDATION_GOAL:.0%} of each; sources:",
              *(f"  {r['run']}: {r['source']}" for r in rows)]
     return "\n".join(lines)

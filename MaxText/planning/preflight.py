@@ -132,8 +132,9 @@ def nccl_ep_row(cfg, mesh_shape: dict) -> Row:
     """Whether NCCL EP runs on this mesh; what it cannot take was refused with the mesh (the mesh row)."""
     if checks.nccl_ep_used(cfg, mesh_shape):
         return Row("nccl_ep", "pass", "NCCL EP takes this mesh and buffer")
-    why = ("moe_dropless_fallback: XLA's ragged all-to-all exchanges the tokens" if cfg.moe_dropless_fallback
-           and mesh_shape.get("expert", 1) > 1 and cfg.moe_impl == "te_dropless" else "no expert parallelism through TE")
+    fallback = cfg.moe_dropless_fallback and mesh_shape.get("expert", 1) > 1 and cfg.moe_impl == "te_dropless"
+    why = ("moe_dropless_fallback: XLA's ragged all-to-all exchanges the tokens" if fallback
+           else "no expert parallelism through TE")
     return Row("nccl_ep", "pass", f"not used ({why})")
 
 

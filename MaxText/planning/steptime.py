@@ -27,7 +27,8 @@ hidden units over tensor parallelism, experts over expert parallelism):
   pipeline  a (pp - 1) / (microbatches x virtual stages) bubble on top (DualPipe: half of it).
 
 The step is bounded by whichever of compute or a collective kind takes longest. The constants below were set
-once, for all of VALIDATION together; `plan --validate` prints each published figure beside the model's.
+once, for all of MaxText.planning.validation's published runs together; `plan --validate` prints each published
+figure beside the model's.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ import math
 from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
-from MaxText.config.load import batch_parts, global_batch_size, layer_counts, load_config
-from MaxText.layers.attention import prefix_share
+from MaxText.config.load import batch_parts, global_batch_size, layer_counts
+from MaxText.layers.attention import balanced, prefix_share
 from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
-from MaxText.planning.params import parameter_counts
 
 
 class Hardware(NamedTuple):
@@ -161,8 +161,6 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
     domain = GPU_DOMAIN.get(cfg.gpu_profile, 8)
     nccl_ep = nccl_ep_used(cfg, mesh_shape)
     length = cfg.max_target_length
-    balanced = (cp > 1 and cfg.attention == "chunked" and cfg.context_parallel_load_balance
-                and (length // cp) % 2 == 0)  # attention.context_parallel's condition
     return Layout(
         devices=num_devices, seq=cfg.max_target_length, global_batch=global_batch_size(cfg, num_devices),
         tp=tp, ep=ep, cp=cp, cp_local=_local(ici("context"), ici("expert") * ici("tensor"), cp, domain),
@@ -178,7 +176,8 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
-        attention_share=prefix_share(length, cp, cfg.attention_chunk_size) if balanced else 1.0,
+        attention_share=(prefix_share(length, cp, cfg.attention_chunk_size)
+                         if balanced(cfg.attention, cfg.context_parallel_load_balance, length, cp) else 1.0),
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
@@ -276,10 +275,8 @@ class Model(NamedTuple):
     quantizable_gemm_flops: float = 0.0  # the part of dense_gemm_flops `quantization` quantizes (not the router,
                                          # the heads or MTP's projection)
     kv_gather_width: int = 0    # numbers a token's keys and values (MLA: its latent) have in a layer, which context
-                                # parallelism gathers
+                                # parallelism gathers and whose cotangents it sums over its group
     kv_gather_by_tp: bool = True  # whether tensor parallelism splits them (heads; MLA's latent is whole)
-    kv_grad_width: int = 0      # numbers of a token's keys and values (MLA: its latent), whose cotangents context
-                                # parallelism sums over its group
     kv_up_params: float = 0.0   # MLA's key/value up-projection weight, one layer's: under context parallelism its
                                 # gradient is summed over the batch and context axes (an all-reduce) each layer
     q_out_width: int = 0        # numbers of a token's queries and attention output in a layer (all heads), which
@@ -300,17 +297,16 @@ class Model(NamedTuple):
         layers = cfg.base_num_decoder_layers + cfg.mtp_num_layers
         if cfg.attention_type == "mla":
             width, by_tp = cfg.kv_lora_rank + cfg.qk_rope_head_dim, False
-            grad = width
             q_out = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
             up = cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             kv_up = layers * 2 * cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         else:
             width, by_tp, kv_up = 2 * cfg.base_num_kv_heads * cfg.head_dim, True, 0.0
-            grad, q_out, up = width, 2 * cfg.base_num_query_heads * cfg.head_dim, 0.0
+            q_out, up = 2 * cfg.base_num_query_heads * cfg.head_dim, 0.0
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
                    layers, head, d * cfg.vocab_size, 1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg),
-                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_grad_width=grad, kv_up_params=up,
+                   kv_gather_width=width, kv_gather_by_tp=by_tp, kv_up_params=up,
                    q_out_width=q_out, kv_up_flops=kv_up)
 
 
@@ -405,13 +401,10 @@ def comm_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> dict:
         comm["tp"] = m.layers * 8 * _ring(tokens * lay.tp * d * 2, lay.tp, 0, hw)
     if lay.cp > 1 and m.kv_gather_width:
         # each layer gathers its keys and values (MLA: the latent) over the context group, again where the layer is
-        # recomputed, and in the backward sums their cotangents over it, an all-reduce (attention.context_parallel;
-        # MLA: the latent's, and its up-projection's weight gradient over the batch axes too); bf16
-        gather = m.kv_gather_width / (lay.tp if m.kv_gather_by_tp else 1)
-        whole = tokens * lay.cp * 2  # bytes per number of a token: the whole sequences' on each device
-        comm["cp"] = m.layers * ((1 + lay.recompute) * _ring(whole * gather, lay.cp, lay.cp_local, hw)
-                                 + 2 * _ring(whole * m.kv_grad_width / (lay.tp if m.kv_gather_by_tp else 1),
-                                             lay.cp, lay.cp_local, hw)
+        # recomputed, and in the backward sums their cotangents over it, an all-reduce: two rings of the same bytes
+        # (attention.context_parallel; MLA: also its up-projection's weight gradient, over the batch axes too); bf16
+        gathered = tokens * lay.cp * m.kv_gather_width / (lay.tp if m.kv_gather_by_tp else 1) * 2  # whole sequences
+        comm["cp"] = m.layers * ((1 + lay.recompute + 2) * _ring(gathered, lay.cp, lay.cp_local, hw)
                                  + 2 * _ring(m.kv_up_params / lay.tp * 2, lay.devices // lay.tp,
                                              lay.fsdp_dense_local, hw))
         comm["cp"] += balance_permute_time(m, lay, hw, tokens)
@@ -547,65 +540,3 @@ def module_comm(cfg, mesh_shape: dict, by_group: list[dict], hw: Hardware) -> di
         seconds = _ring(g["bytes"], g["group"], local, hw) * (2 if g["kind"] == "all-reduce" else 1)
         out[term] = out.get(term, 0.0) + seconds
     return out
-
-
-class Published(NamedTuple):
-    """A published training run: its layout, measured tokens/s/GPU, and where it was published."""
-    name: str
-    hardware: str
-    layout: Layout
-    tokens_per_s_per_gpu: float
-    overrides: tuple        # onto configs/models/deepseek3-671b.yml
-    source: str
-
-
-_BALANCED = ("n_routing_groups=null", "topk_routing_group=null")  # Megatron's forced load balancing: uniform top-k
-VALIDATION = (
-    Published("DeepSeek-V3 pre-training, 2048 H800", "h800",
-              Layout(2048, 4096, 15360, pp=16, ep=64, micro_batch=1, gemm_precision="fp8", dispatch_bytes=1.0,
-                     dispatch_per="node", ep_overlap="full", dualpipe=True, recompute=0.05), 1543.0, (),
-              "arXiv 2412.19437 (DeepSeek-V3 report): 180K H800 GPU-hours per trillion tokens = 1543 tokens/s/GPU; "
-              "PP16, EP64 over 8 nodes, ZeRO-1 DP; FP8; batch 15360 x 4K; DualPipe; recompute of RMSNorm and MLA "
-              "up-projections"),
-    Published("Megatron-Bridge 26.02, 256 GB200, MXFP8", "gb200",
-              Layout(256, 4096, 4096, pp=4, vp=4, ep=64, micro_batch=1, gemm_precision="fp8", ep_overlap="partial",
-                     recompute=0.1), 3955.0, _BALANCED,
-              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (26.02): DeepSeekV3, GBS 4096, MBS 1, PP4, "
-              "VP4, EP64, TP1, FP8-MX, 3955 tokens/s/GPU (1028 TFLOP/s)"),
-    Published("Megatron-Bridge 26.02, 256 GB300, MXFP8", "gb300",
-              Layout(256, 4096, 4096, pp=2, vp=8, ep=32, micro_batch=2, gemm_precision="fp8", ep_overlap="partial",
-                     recompute=0.1), 4612.0, _BALANCED,
-              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (26.02): DeepSeekV3, GBS 4096, MBS 2, PP2, "
-              "VP8, EP32, TP1, FP8-MX, 4612 tokens/s/GPU (1199 TFLOP/s)"),
-    Published("Megatron-Bridge 25.09, 1024 H100", "h100",
-              Layout(1024, 4096, 8192, tp=2, pp=8, vp=4, ep=64, micro_batch=1, gemm_precision="fp8",
-                     dispatch_bytes=1.0, dispatch_per="node", ep_overlap="partial", recompute=0.1), 1297.0, _BALANCED,
-              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.09): DeepSeekV3 dropless, GBS 8192, MBS 1, "
-              "TP2, PP8, VP4, EP64, 1297 tokens/s/GPU (338 TFLOP/s); precision not printed (FP8 taken: a footnote "
-              "compares its block scaling); DeepEP's node-deduplicated FP8 dispatch across nodes assumed, not read"),
-    Published("Megatron-Bridge 25.11, 256 GB300, BF16, no MTP", "gb300",
-              Layout(256, 4096, 4096, pp=2, vp=4, ep=32, micro_batch=1, ep_overlap="partial", recompute=0.1),
-              3848.0, _BALANCED + ("mtp_num_layers=0",),
-              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11): DeepSeekV3 without MTP, BF16, GBS "
-              "4096, PP2, VP4, EP32, TP1, GA32, 3848 tokens/s/GPU (961 TFLOP/s)"),
-    Published("Megatron-Bridge 25.11, 256 GB200, BF16, no MTP", "gb200",
-              Layout(256, 4096, 4096, pp=4, vp=4, ep=64, micro_batch=1, ep_overlap="partial", recompute=0.1),
-              3139.0, _BALANCED + ("mtp_num_layers=0",),
-              "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (25.11): DeepSeekV3 without MTP, BF16, GBS "
-              "4096, PP4, VP4, EP64, TP1, GA64, 3139 tokens/s/GPU (782 TFLOP/s)"),
-)
-VALIDATION_GOAL = 0.25
-
-
-def validate() -> list[dict]:
-    """Each published run beside the model: measured and modelled tokens/s/GPU, the error, the bound."""
-    rows = []
-    for run in VALIDATION:
-        cfg = load_config(["configs/base.yml", "model_name=deepseek3-671b", "override_model_config=true",
-                           f"max_target_length={run.layout.seq}",
-                           *run.overrides])
-        got = step_time(Model.from_config(cfg, parameter_counts(cfg).total), run.layout, HARDWARE[run.hardware])
-        rows.append({"run": run.name, "published": run.tokens_per_s_per_gpu, "model": got["tokens_per_s_per_gpu"],
-                     "error": got["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu - 1, "bound": got["bound"],
-                     "step_s": got["step_s"], "terms_s": got["compute_s"] | got["comm_s"], "source": run.source})
-    return rows

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.experts import ExpertWeights
-from MaxText.parallel.sharding import logical_to_spec
+from MaxText.parallel.sharding import context_axes, logical_to_spec, spec_axes
 
 
 def slice_scope(scheme: str, k: int, count: int):
@@ -94,13 +94,8 @@ class MeshLayout(NamedTuple):
 LOCAL = MeshLayout((), (), 1, (), on_mesh=False)
 
 
-def _axes(entry) -> tuple:
-    """One PartitionSpec entry as a tuple of mesh axes."""
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
 def _mesh_axes(logical: str, rules) -> tuple:
-    return _axes(logical_to_spec((logical,), rules)[0])
+    return spec_axes(logical_to_spec((logical,), rules)[0])
 
 
 def mesh_layout(rules) -> MeshLayout:
@@ -111,8 +106,7 @@ def mesh_layout(rules) -> MeshLayout:
     # config.check_logical_axis_rules makes sure `expert` splits the batch too when it splits the experts.
     # Tokens [B * L] split over the batch axes, then over the length's with context parallelism (B's shards are the
     # major ones when [B, L] flattens).
-    tokens = _mesh_axes("activation_batch", rules) + tuple(
-        a for a in _mesh_axes("activation_length", rules) if mesh.shape.get(a, 1) > 1)
+    tokens = _mesh_axes("activation_batch", rules) + context_axes(rules)
     return MeshLayout(tokens, _mesh_axes("activation_mlp", rules),
                       mesh.shape.get("expert", 1),
-                      _axes(logical_to_spec(("exp", "embed", "mlp"), rules)[1]))  # how the weights' D is split
+                      spec_axes(logical_to_spec(("exp", "embed", "mlp"), rules)[1]))  # how the weights' D is split
