@@ -8,7 +8,8 @@
 #   kernels       the `gpu` tests of tests/test_te_dropless.py: TE's fused router, TE's grouped GEMM forward and
 #                 backward (bf16, fp32, FP8 current scaling on SM 9.x+, MXFP8 on SM 10.x) with a padded tail, and
 #                 TE's token permutation, against pure-JAX / float64 references; and of tests/test_attention_cudnn.py:
-#                 attention=cudnn_flash (cuDNN's fused attention) against dot_product, bf16, GQA and MLA
+#                 attention=cudnn_flash (cuDNN's fused attention) against dot_product, bf16, GQA and MLA, and
+#                 under context parallelism (tests/test_attention_cudnn_cp.py: a query block merged from two calls)
 #   ep            with --ep N only: te_dropless with NCCL EP on N >= 2 GPUs of this machine, one process each
 #                 (scripts/launch.sh --local N running MaxText.benchmarks.ep_check), forward and gradients against
 #                 te_kernels=reference and the float32 per-expert loop; its table goes to <json>.ep.json; then

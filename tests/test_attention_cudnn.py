@@ -150,7 +150,11 @@ def reference_kernel(query, key, value, bias=None, mask=None, q_seqlen=None, kv_
     n = key.shape[2]
     q = query.astype(jnp.float32).reshape(b, length, n, h // n, -1)
     logits = jnp.einsum("bqngk,bsnk->bngqs", q, key.astype(jnp.float32)) * scale
-    probs = jax.nn.softmax(jnp.where(allowed_BLL[:, None, None], logits, -jnp.inf), axis=-1)
+    # A token in no slot sees no key: its row is computed on zeros and dropped (no NaN reaches a gradient: the
+    # kernel writes nothing for it, forward or backward); its output is NaN below.
+    some_BL1 = allowed_BLL.any(-1, keepdims=True)[:, None, None]
+    logits = jnp.where(some_BL1, jnp.where(allowed_BLL[:, None, None], logits, -jnp.inf), 0.0)
+    probs = jnp.where(some_BL1, jax.nn.softmax(logits, axis=-1), 0.0)
     out = jnp.einsum("bngqs,bsnv->bqngv", probs, value.astype(jnp.float32)).reshape(b, length, h, -1)
     return jnp.where((slots_BL > 0)[..., None, None], out, jnp.nan).astype(query.dtype)
 

@@ -1,9 +1,9 @@
 """Context parallelism (ici_context_parallelism, the all-gather strategy): each sequence split over the `context` mesh
 axis gives the loss, the MoE statistics and every gradient of one device, for GQA and MLA (which gathers its latent),
 the routed experts on the pure-JAX dropless path with expert parallelism beside, MTP, packed documents (two a row,
-a padded tail) and all-to-one routing; TE's router and grouped GEMMs (executed on CPU with te_reference's kernels) with
-XLA's exchange alike. The weights are sharded over the context axis as over fsdp. What it does not take yet is
-refused in one line."""
+a padded tail) and all-to-one routing; attention=cudnn_flash (its CPU path) alike; TE's router and grouped GEMMs
+(executed on CPU with te_reference's kernels) with XLA's exchange alike. The weights are sharded over the context
+axis as over fsdp. What it does not take yet is refused in one line."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ MODELS = {  # name -> overrides of tests/tiny.py's TINY (+ test_batch_split's MO
 # TE's router and MXFP8 grouped GEMMs, XLA's exchange (moe_dropless_fallback: NCCL EP does not take the context axis)
 MODELS["MLA, TE"] = [*MODELS["MLA"][:-3], "moe_impl=te_dropless", "te_kernels=auto", "te_gmm_quantization=mxfp8",
                      "moe_dropless_fallback=layer", "ragged_buffer_factor=2.0", *MODELS["MLA"][-2:]]
+# cuDNN's attention, which on CPU runs the chunked path per block (tests/test_attention_cudnn_cp.py runs its CUDA
+# branch with reference kernels): the config goes through, with one device's numbers
+MODELS["MLA, cuDNN"] = [*MODELS["MLA"][:-2], "attention=cudnn_flash", "attention_chunk_size=8"]
 _ONE = {}  # model -> one device's results
 
 
@@ -61,7 +64,7 @@ def te_on_cpu(te_standin):
 
 
 @pytest.mark.parametrize("model,mesh", [("GQA", "context4_expert2"), ("MLA", "context2_fsdp4"),
-                                        ("MLA", "data2_context2_expert2"),
+                                        ("MLA", "data2_context2_expert2"), ("MLA, cuDNN", "context4_expert2"),
                                         pytest.param("MLA, TE", "data2_context2_expert2", marks=pytest.mark.te_trace)])
 def test_context_parallelism_gives_one_devices_numbers(request, model, mesh):
     if "TE" in model:
@@ -167,7 +170,6 @@ def test_the_chunk_loop_moves_nothing_over_the_context_axis():
 
 @pytest.mark.parametrize("extra,message", [
     (["max_target_length=18"], "max_target_length=18 does not split over the context axis of size 4"),
-    (["attention=cudnn_flash"], "attention=cudnn_flash with context parallelism"),
     (["moe_impl=te_dropless"], "moe_impl=te_dropless's NCCL EP exchange with context parallelism"),
     (["moe_impl=te_dropless", "te_moe_block=true", "moe_dropless_fallback=layer", "ragged_buffer_factor=2.0"],
      "moe_impl=te_dropless's NCCL EP exchange with context parallelism"),

@@ -205,7 +205,7 @@ def test_pre_training_recipes_train_as_deepseek_v3_did(recipe):
 
 
 @pytest.mark.parametrize("recipe,context", [("deepseek3-671b-16k-gb200-128.yml", 1),
-                                            ("deepseek3-671b-32k-gb200-128.yml", 4),
+                                            ("deepseek3-671b-32k-gb200-128.yml", 2),
                                             ("deepseek3-671b-128k-gb200-128.yml", 8)])
 def test_the_context_extension_recipes_apply_yarn_beyond_4k(recipe, context):
     """DeepSeek-V3's extension phases (tech report 4.3): YaRN over the 4K original length, a constant 7.3e-6, and

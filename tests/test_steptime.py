@@ -289,15 +289,32 @@ def test_context_parallelism_gathers_each_layers_keys_and_repeats_mlas_up_projec
     assert four["compute_s"]["attention"] == one["compute_s"]["attention"]  # the same share of the work per GPU
     # causal load balance: 0.7 of the score work, for the queries and outputs sent to and fro (128 x 320 numbers a
     # token each way: forward, backward)
-    balanced = steptime.step_time(m, base._replace(cp=2, attention_share=0.7), hw)
+    balanced = steptime.step_time(m, base._replace(cp=2, attention_share=0.7, cp_balanced=True), hw)
     assert balanced["compute_s"]["attention"] == pytest.approx(0.7 * two["compute_s"]["attention"])
     sent = 62 * 2 * tokens * 128 * 320 * 2 / (hw.nvlink_gbps * 1e9 * steptime.COLLECTIVE_EFFICIENCY)
     assert balanced["comm_s"]["cp"] - two["comm_s"]["cp"] == pytest.approx(sent)
     qwen = steptime.Model.from_config(load_config(["configs/base.yml", "model_name=qwen3-30b-a3b"]), 30.5e9)
     assert qwen.kv_gather_width == 2 * 4 * 128 and qwen.kv_up_flops == 0
     assert (m.kv_gather_width, m.q_out_width) == (512 + 64, 128 * (128 + 64 + 128))
-    gqa = [steptime.step_time(qwen, base._replace(cp=c), hw) for c in (1, 2)]
+    gqa = [steptime.step_time(qwen, base._replace(cp=c, attention_kernel="xla"), hw) for c in (1, 2)]
     assert gqa[0]["compute_s"] == gqa[1]["compute_s"] and gqa[1]["comm_s"]["cp"] > 0
+
+
+def test_context_parallel_cudnn_charges_its_rolled_copies():
+    """Context parallelism with cuDNN's attention (attention_cudnn_cp) copies the whole sequence's keys and values
+    (MLA: expanded, 128 x 320 numbers a token) rolled for each block's first document: read and written in the
+    forward, where recomputed, and twice in the backward (the keys again, the gradients back), for each of a
+    device's two blocks load-balanced: memory-bound time the XLA path and one device do not pay."""
+    m, hw = _model(), steptime.HARDWARE["gb200"]
+    tokens = 64 * 32768 / 128
+    base = steptime.Layout(128, 32768, 64, ep=8, fsdp=16, fsdp_dense=128, cp=4, cp_balanced=True)
+    time = {kernel: steptime.step_time(m, base._replace(attention_kernel=kernel), hw)["compute_s"]["memory_bound"]
+            for kernel in ("flash", "xla")}
+    one = steptime.step_time(m, base._replace(cp=1, cp_balanced=False), hw)["compute_s"]["memory_bound"]
+    copies = 62 * 2 * 3 * 2 * tokens * 4 * 128 * 320 * 2 / (hw.hbm_tbps * 1e12 * steptime.HBM_EFFICIENCY)
+    assert time["flash"] - time["xla"] == pytest.approx(copies) and time["xla"] == pytest.approx(one)
+    unbalanced = steptime.step_time(m, base._replace(cp_balanced=False), hw)["compute_s"]["memory_bound"]
+    assert unbalanced - time["xla"] == pytest.approx(copies / 2)
 
 
 def test_a_context_parallel_layout_is_read_and_its_gathers_timed_from_the_module():
@@ -313,24 +330,30 @@ def test_a_context_parallel_layout_is_read_and_its_gathers_timed_from_the_module
     assert steptime.module_comm(cfg, mesh, [group], hw) == {"cp": pytest.approx(steptime._ring(1e9, 2, 0, hw))}
     weights = group | {"axes": ["fsdp", "context"], "group": 16}
     assert set(steptime.module_comm(cfg, mesh, [weights], hw)) == {"fsdp"}
-    # the 32K recipe's chunked attention, load-balanced: each GPU computes prefix_share of the unbalanced work
+    # the 32K recipe's attention, load-balanced or not: chunked, each GPU computes prefix_share of the unbalanced
+    # work; cuDNN's, the causal average balanced, the last piece's 2 - 1/4 of it unbalanced
     from MaxText.layers.attention import prefix_share
 
     recipe = os.path.join("configs", "gpu", "deepseek3-671b-32k-gb200-128.yml")
-    mesh = {"data": 1, "fsdp": 4, "context": 4, "expert": 8, "tensor": 1}
-    shares = [steptime.layout_from_config(load_config([recipe, f"context_parallel_load_balance={b}"]), mesh,
-                                          128).attention_share for b in ("true", "false")]
-    assert shares == [prefix_share(32768, 4, 512), 1.0] and 0.6 < shares[0] < 0.75, shares
+    mesh = {"data": 1, "fsdp": 8, "context": 4, "expert": 4, "tensor": 1}
+    layouts = {(a, b): steptime.layout_from_config(load_config([recipe, f"attention={a}", "attention_chunk_size=512",
+                                                                f"context_parallel_load_balance={b}"]), mesh, 128)
+               for a in ("chunked", "cudnn_flash") for b in ("true", "false")}
+    shares = {key: lay.attention_share for key, lay in layouts.items()}
+    assert shares == {("chunked", "true"): prefix_share(32768, 4, 512), ("chunked", "false"): 1.0,
+                      ("cudnn_flash", "true"): 1.0, ("cudnn_flash", "false"): 1.75}, shares
+    assert 0.6 < shares[("chunked", "true")] < 0.75
+    assert [key for key, lay in layouts.items() if lay.cp_balanced] == [("chunked", "true"), ("cudnn_flash", "true")]
 
 
 def test_search_splits_long_sequences_over_the_context_axis():
     """--search on the 32K recipe: one 32K sequence per GPU does not fit the recipe's GPUs, so every layout it ranks
-    splits the sequences over the context axis; the shipped layout is within 2% of the best (which keeps 9% less of
+    splits the sequences over the context axis; the shipped layout is within 2% of the best (which keeps 2% less of
     HBM free). Below 16K no context split is tried."""
     from MaxText.planning.layout_search import meshes, search
 
     recipe = os.path.join("configs", "gpu", "deepseek3-671b-32k-gb200-128.yml")
-    whole = plan.plan(load_config([recipe, "ici_context_parallelism=1", "ici_fsdp_parallelism=8",
+    whole = plan.plan(load_config([recipe, "ici_context_parallelism=1", "ici_fsdp_parallelism=2",
                                    "per_device_batch_size=1"]))
     assert whole["verdict"] == "does not fit", plan.format_table(whole)
     result = search([recipe], top=3)

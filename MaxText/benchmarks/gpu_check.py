@@ -12,7 +12,9 @@ and the next part runs):
    and MXFP8 (SM 10.x only, else skipped with the reason) at quantisation tolerances; the reference grouped
    GEMM on the GPU; TE's token permutation (needs triton) against aligned_permute. TE's tests are left out,
    with the reason, where TE cannot be imported. attention=cudnn_flash (cuDNN's fused attention) against
-   dot_product, forward and q/k/v gradients in bf16, GQA and MLA, packed documents and a row beyond its bound.
+   dot_product, forward and q/k/v gradients in bf16, GQA and MLA, packed documents and a row beyond its bound;
+   and context parallelism's cuDNN block (tests/test_attention_cudnn_cp.py: a block of queries against the whole
+   sequence's keys, its first document merged from two calls by cuDNN's softmax statistics) against dot_product.
 2. ep (correctness, only with --ep N): MaxText.benchmarks.ep_check on N GPUs, one process each through
    scripts/launch.sh --local N: te_dropless with NCCL EP against te_kernels=reference and the float32
    per-expert loop, forward and gradients, three routings (<json>.ep.json); then TE's fused MoE block
@@ -123,7 +125,8 @@ def check_kernels(kit: Kit) -> dict:
     if jax.default_backend() != "gpu":  # --smoke on a CPU: every test would skip
         return {"status": "skipped", "reason": f"the kernel tests need an NVIDIA GPU ({jax.default_backend()} here)"}
     files = ([] if kit.te_missing else [os.path.join("tests", "test_te_dropless.py")]) + [
-        os.path.join("tests", "test_attention_cudnn.py"), os.path.join("tests", "test_decode.py")]
+        os.path.join("tests", "test_attention_cudnn.py"), os.path.join("tests", "test_attention_cudnn_cp.py"),
+        os.path.join("tests", "test_decode.py")]
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", *files]
     rc, out, timed_out = run_subprocess(cmd, subprocess_env(JAX_PLATFORMS=""), KERNEL_TESTS_TIMEOUT_S)
     lines = out.strip().splitlines() or ["(no output)"]

@@ -288,8 +288,9 @@ SCHEMA: dict[str, Key] = {
         "context parallelism's attention: all_gather (each device's queries against the sequence's keys and values, "
         "gathered over the context axis)"),
     "context_parallel_load_balance": Key(bool, doc=
-        "causal load balance across the context axis (attention: chunked): each device computes an early and a late "
-        "block of queries, each chunk against the keys it needs, about 0.7 of the unbalanced work; the same numbers"),
+        "causal load balance across the context axis (attention: chunked or cudnn_flash): each device computes an "
+        "early and a late block of queries (chunked: each chunk against the keys it needs, about 0.7 of the "
+        "unbalanced work); the same numbers"),
     "logical_axis_rules": Key(list, doc="[logical axis, [mesh axes]] pairs; earlier rules win"),
 
     # training

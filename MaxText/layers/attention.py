@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers import attention_cudnn
+from MaxText.layers import attention_cudnn, attention_cudnn_cp
 from MaxText.layers.linear import DenseGemms
 from MaxText.layers.norms import RMSNorm
 from MaxText.layers.params import fan_in_init, param
@@ -129,8 +129,8 @@ def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: 
     [B, H, chunk_size, L] block of query rows at a time, recomputed in the backward pass) or cudnn_flash
     (cuDNN's fused kernel on CUDA, chunked elsewhere and for rows with more documents than it takes).
     rules (logical_axis_rules) let cudnn_flash pin q, k, v and its row tables to one sharding. Under context
-    parallelism (k, v whole: whole_sequence) the XLA paths run per device (context_parallel), the chunked one
-    load-balanced with context_parallel_load_balance."""
+    parallelism (k, v whole: whole_sequence) attention runs per device (context_parallel), the chunked path and
+    cuDNN's load-balanced with context_parallel_load_balance."""
     return expanded_attention(q_BLHK, lambda k, v, rules: (k, v), (k_BSNK, v_BSNV), (KV_AXES, KV_AXES),
                               segment_ids_BL, impl=impl, chunk_size=chunk_size, scale=scale, rules=rules,
                               load_balance=load_balance)
@@ -142,7 +142,7 @@ def expanded_attention(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl
     whole sequence's latent), kv_axes the logical axes of kv_args. Under context parallelism the expansion runs per
     device with the attention (context_parallel), so the backward sums kv_args' cotangents over the context axis
     (MLA: the latent's, 576 numbers a token, not its expanded keys' and values' 40960)."""
-    if context_axes(rules) and impl != "cudnn_flash":
+    if context_axes(rules):
         return context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, impl=impl, chunk_size=chunk_size,
                                 scale=scale, rules=rules, load_balance=load_balance)
     k_BSNK, v_BSNV = expand(*kv_args, rules)
@@ -163,12 +163,13 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
     whole: XLA gathers them over the context axis), document masking by the whole row's segment ids. Left to the
     partitioner, the chunked path's loop over query chunks re-gathered the keys in every trip. The backward sums
     kv_args' cotangents over the axes they are whole on (an all-reduce over the context axis; a gathered weight's,
-    over the batch axes too). load_balance (chunked): balanced_chunks."""
+    over the batch axes too). load_balance (chunked, cudnn_flash): balanced_chunks. cudnn_flash runs cuDNN's kernel
+    on CUDA (attention_cudnn_cp), the chunked path elsewhere."""
     mesh, axes = jax.sharding.get_abstract_mesh(), context_axes(rules)
     spec = functools.partial(logical_to_spec, rules=rules)
     q_spec = spec(("activation_batch", "activation_length", "activation_heads", None))
     kv_specs = tuple(spec(a) for a in kv_axes)
-    row, rows = spec(("activation_batch", "activation_length")), spec(("activation_batch", None))
+    rows = spec(("activation_batch", None))
     scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
     devices = math.prod(mesh.shape[a] for a in axes)
     piece = q_BLHK.shape[1] // devices
@@ -176,36 +177,60 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
     # the mesh axes each of kv_args is whole on (replicated over)
     whole_on = [tuple(m for m in mesh.axis_names if m not in {a for e in s for a in spec_axes(e)}) for s in kv_specs]
 
-    def local(q, q_segment_ids, kv_segment_ids, *kv_args):
+    def local(q, kv_segment_ids, *kv_args):
         # Whole on devices that differ in their queries, kv_args are marked as varying over those axes here, so that
         # the backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
         kv_args = [jax.lax.pcast(a, over, to="varying") for a, over in zip(kv_args, whole_on)]
         k, v = expand(*kv_args, None)
-        if balance:
-            return balanced_chunks(q, k, v, kv_segment_ids, axes, devices, chunk_size, scale)
-        start = jax.lax.axis_index(axes) * piece
-        if impl == "chunked":
-            return _chunked(q, k, v, q_segment_ids, kv_segment_ids, start, chunk_size, scale)
-        return _attend(q, k, v, q_segment_ids, kv_segment_ids, start, scale)
 
-    return jax.shard_map(local, in_specs=(q_spec, row, rows, *kv_specs), out_specs=q_spec)(
-        q_BLHK, segment_ids_BL, segment_ids_BL, *kv_args)
+        def exact(q_BQHK, start, latest=None):  # the XLA paths for queries at start ..
+            q_segment_ids = jax.lax.dynamic_slice_in_dim(kv_segment_ids, start, q_BQHK.shape[1], axis=1)
+            if latest is not None:
+                return _prefix_chunks(q_BQHK, k, v, q_segment_ids, kv_segment_ids, start, latest, chunk_size, scale)
+            if impl == "dot_product":
+                return _attend(q_BQHK, k, v, q_segment_ids, kv_segment_ids, start, scale)
+            return _chunked(q_BQHK, k, v, q_segment_ids, kv_segment_ids, start, chunk_size, scale)
+
+        block = exact
+        if impl == "cudnn_flash":  # cuDNN's kernel on CUDA, the exact chunked path elsewhere
+            def block(q_BQHK, start, latest=None):
+                fallback = lambda q, start: exact(q, start, latest)  # noqa: E731
+                return attention_cudnn_cp.attend(q_BQHK, start, k, v, kv_segment_ids, scale=scale, fallback=fallback)
+        if balance:
+            return balanced_chunks(q, axes, devices, block)
+        return block(q, jax.lax.axis_index(axes) * piece)
+
+    return jax.shard_map(local, in_specs=(q_spec, rows, *kv_specs), out_specs=q_spec)(q_BLHK, segment_ids_BL, *kv_args)
 
 
 def balanced(impl: str, load_balance: bool, length: int, devices: int) -> bool:
     """Whether context parallelism over `devices` runs the load-balanced path (balanced_chunks): load_balance
-    (context_parallel_load_balance) with the chunked attention, each device's piece in two equal blocks."""
-    return devices > 1 and load_balance and impl == "chunked" and (length // devices) % 2 == 0
+    (context_parallel_load_balance) with the chunked attention or cuDNN's, each device's piece in two equal blocks."""
+    return devices > 1 and load_balance and impl in ("chunked", "cudnn_flash") and (length // devices) % 2 == 0
 
 
-def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: int, chunk_size: int, scale):
-    """Causal load balance for context parallelism's chunked attention, on one device in shard_map. The sequence is
-    2c blocks (c devices); device j holds blocks 2j and 2j + 1 (its piece) but computes the queries of blocks j and
-    2c - 1 - j, one early and one late, so that every device's queries see about as many keys: the queries travel
-    there (two collective permutes of half a piece) and their outputs back. Each group of query rows is computed
-    against the keys up to the last any device's group in that place can see, a static prefix: about 0.7 of the
-    whole-sequence rectangle the unbalanced chunked path computes (prefix_share). The same numbers as the
-    unbalanced path, but for padding query rows (segment 0), whose outputs the loss masks out."""
+def context_share(impl: str, load_balance: bool, length: int, devices: int, chunk_size: int) -> float:
+    """Under context parallelism over `devices`, the attention work of the busiest device per token, as a share of
+    what the same kernel does per token on one device: the chunked path computes every device's rectangle of its
+    queries against the whole sequence (1.0), or prefix_share of it load-balanced; cuDNN's kernel computes the
+    causal triangle, whose last piece is the largest (2 - 1/devices of the average), or the average itself
+    load-balanced (each device an early and a late block)."""
+    if devices <= 1:
+        return 1.0
+    if impl == "cudnn_flash":
+        return 1.0 if balanced(impl, load_balance, length, devices) else 2.0 - 1.0 / devices
+    return prefix_share(length, devices, chunk_size) if balanced(impl, load_balance, length, devices) else 1.0
+
+
+def balanced_chunks(q_BPHK, axes, devices: int, block):
+    """Causal load balance for context parallelism, on one device in shard_map. The sequence is 2c blocks (c devices);
+    device j holds blocks 2j and 2j + 1 (its piece) but computes the queries of blocks j and 2c - 1 - j, one early
+    and one late, so that every device's queries see about as many keys: the queries travel there (two collective
+    permutes of half a piece) and their outputs back. block(q, start, latest) attends the queries at start ..
+    against the whole sequence's keys, start at most latest on every device: the chunked path computes each group
+    of query rows against the static key prefix the latest such group can see, about 0.7 of the whole-sequence
+    rectangle the unbalanced chunked path computes (prefix_share); cuDNN's kernel, the causal triangle. The same
+    numbers as the unbalanced path, but for padding query rows (segment 0), whose outputs the loss masks out."""
     half = q_BPHK.shape[1] // 2
     j = jax.lax.axis_index(axes)
     # Half h of device d's piece is block 2d + h, which device computer(2d + h) takes: a permutation per half.
@@ -214,12 +239,8 @@ def balanced_chunks(q_BPHK, k_BSNK, v_BSNV, kv_segment_ids_BS, axes, devices: in
     # Of device j's blocks j and 2c - 1 - j, the even one came by the first permutation.
     even = j % 2 == 0
     early, late = jnp.where(even, moved[0], moved[1]), jnp.where(even, moved[1], moved[0])
-    outs = []
-    for q_BHHK, start, latest in ((early, j * half, (devices - 1) * half),
-                                  (late, (2 * devices - 1 - j) * half, (2 * devices - 1) * half)):
-        q_segment_ids = jax.lax.dynamic_slice_in_dim(kv_segment_ids_BS, start, half, axis=1)
-        outs.append(_prefix_chunks(q_BHHK, k_BSNK, v_BSNV, q_segment_ids, kv_segment_ids_BS, start, latest,
-                                   chunk_size, scale))
+    outs = [block(early, j * half, (devices - 1) * half),
+            block(late, (2 * devices - 1 - j) * half, (2 * devices - 1) * half)]
     back = [jax.lax.ppermute(out, axes, [(dst, src) for src, dst in perm]) for out, perm in
             zip((jnp.where(even, outs[0], outs[1]), jnp.where(even, outs[1], outs[0])), perms)]
     return jnp.concatenate(back, axis=1)

@@ -89,7 +89,12 @@ def packed_segments(segment_ids_BL, max_segs: int):
     return jnp.where(used_BM, lengths_BM, -1), offsets_BM1, runs_B
 
 
-def _has_cuda() -> bool:
+def trace_profile() -> dict | None:
+    """The GPU cuda_trace_profile() stands for ({"sm": ..., "cudnn": ...}), None outside it."""
+    return _profile
+
+
+def has_cuda() -> bool:
     """Whether this process's default backend is a CUDA GPU (JAX's own test in its capability check)."""
     return "cuda" in xla_bridge.get_backend().platform_version
 
@@ -100,7 +105,7 @@ def attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale: float, fallback,
     fallback must compute the same function (attention.py passes chunked_attention); it also serves, on
     CUDA, the batches whose rows hold more than max_segments(L) runs."""
     global _warned
-    if _profile is None and not _has_cuda():
+    if _profile is None and not has_cuda():
         if not _warned:
             logging.warning("attention=cudnn_flash: no CUDA GPU in this process; attention runs XLA's chunked path")
             _warned = True
@@ -111,13 +116,13 @@ def attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale: float, fallback,
 
 def on_cuda(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale, fallback, rules):
     """The CUDA branch: the kernel, or fallback for a batch with a row of more than M runs."""
-    _check_gpu(q_BLHK.dtype)
+    check_gpu(q_BLHK.dtype)
     length, vd = q_BLHK.shape[1], v_BLNV.shape[-1]
     m = max_segments(length)
     seqlens_BM, offsets_BM1, runs_B = packed_segments(segment_ids_BL, m)
     # One head dim for all three (see the module docstring), then the sharding the partitioner requires.
     d = max(q_BLHK.shape[-1], vd)
-    q, k, v = (constrain(_pad_to(x, d), _HEADS, rules) for x in (q_BLHK, k_BLNK, v_BLNV))
+    q, k, v = (constrain(pad_to(x, d), _HEADS, rules) for x in (q_BLHK, k_BLNK, v_BLNV))
     seqlens_BM, offsets_BM1 = constrain(seqlens_BM, _ROWS, rules), constrain(offsets_BM1, _ROWS, rules)
 
     def kernel(q, k, v, seqlens_BM, offsets_BM1):
@@ -133,12 +138,12 @@ def on_cuda(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale, fallback, rules):
                         q, k, v, seqlens_BM, offsets_BM1)
 
 
-def _pad_to(x, d: int):
+def pad_to(x, d: int):
     """x with its last (head) dim zero-padded to d."""
     return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, d - x.shape[-1]))) if x.shape[-1] < d else x
 
 
-def _check_gpu(dtype) -> None:
+def check_gpu(dtype) -> None:
     """One line naming `attention` (or `dtype`) where this GPU or these activations cannot run the kernel."""
     version = fused.check_cudnn_version()
     if version < MIN_CUDNN or not fused.check_compute_capability(f"{MIN_SM // 10}.{MIN_SM % 10}"):

@@ -43,10 +43,6 @@ def check_context(cfg, shape: dict) -> None:
     if cfg.max_target_length % context:
         raise ConfigError(f"max_target_length={cfg.max_target_length} does not split over the context axis of size "
                           f"{context}; change {axes} or max_target_length")
-    if cfg.attention == "cudnn_flash":
-        raise ConfigError(f"attention=cudnn_flash with context parallelism ({axes} = {context}) is not built here: "
-                          "cuDNN's kernel does not take a query block against the gathered keys yet; use "
-                          "attention=chunked")
     if cfg.quantization != "none":
         raise ConfigError(f"quantization={cfg.quantization} (TE's dense GEMMs) with context parallelism ({axes} = "
                           f"{context}) is not built yet: TE's quantize partitions a context-split sequence into shards "

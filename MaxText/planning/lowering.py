@@ -139,7 +139,10 @@ def lower_step(cfg, dump_dir: str | None = None, backend_optimization: bool = Tr
         # the sliced MoE's exchanges: which wait for another slice's compute, which can run under it
         "overlap": overlap.summarize(overlap.exchanges(module)) if module else None,
         "te_ffi_calls": dict(collections.Counter(re.findall(r"custom_call @(te_\w+)", cuda))),
-        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops,
+        # cuDNN's ops are custom-partitioned too, but for those inside shard_map (context parallelism), which lower
+        # as cuDNN's own custom calls
+        "te_partitioned_ops": cuda.count("@CustomSPMDPartitioning") - cudnn_ops + len(re.findall(
+            r"custom_call @__cudnn\$fmha", cuda)),
         "te_ops": te_ops,
         "cudnn_attention_ops": cudnn_ops,
         "host_offload_annotations": len(re.findall(r"pinned_host", cuda)),

@@ -164,10 +164,14 @@ def _attention(cfg, t: int, b: int, tp: int, a: int, cp: int = 1) -> LayerTensor
     if cp > 1:  # the whole keys' and values' cotangents (MLA: expanded), before they are summed over the axis
         working += whole * gathered * a
     if cfg.attention == "cudnn_flash":
-        # the kernel's float32 softmax statistics [B * M, H, L]; MLA's V zero-padded to the q/k head dim
-        other += b * max_segments(length) * h * length * 4
+        # the kernel's float32 softmax statistics [B * M, H, L] (under context parallelism, of a device's query rows,
+        # and [B, H, rows] twice more for the first document's merged calls); MLA's V zero-padded to the q/k head dim
+        # for the packed call; under context parallelism the merged call's whole keys and values copied rolled
+        other += b * max_segments(queries) * h * queries * 4 + (2 * b * h * queries * 4 if cp > 1 else 0)
         if cfg.attention_type == "mla" and qk > v:
             other += t * h * qk * a
+        if cp > 1:
+            working += whole * (h * (qk + v) if cfg.attention_type == "mla" else 2 * n * k) * a
     projections = [w.widths for w in attention_weights(cfg).values() for _ in range(w.count)]
     return with_te_dense_copies(cfg, LayerTensors(named, other, working), t, tp, projections)
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.load import batch_parts, global_batch_size, layer_counts
-from MaxText.layers.attention import balanced, prefix_share
+from MaxText.layers.attention import balanced, context_share
 from MaxText.parallel.checks import nccl_ep_used
 from MaxText.planning.flops import attention_core_flops_per_token, model_flops_per_token, quantizable_flops_per_token
 
@@ -135,8 +135,9 @@ class Layout(NamedTuple):
     dualpipe: bool = False          # DeepSeek's bidirectional pipeline: half the 1F1B bubble
     recompute: float = 0.0          # fraction of a layer's forward FLOPs recomputed in the backward
     attention_kernel: str = "flash"  # flash | xla
-    attention_share: float = 1.0    # of its attention work, the share a GPU computes (context parallelism's causal
-                                    # load balance: attention.prefix_share)
+    attention_share: float = 1.0    # of its attention work, the share the busiest GPU computes under context
+                                    # parallelism (attention.context_share)
+    cp_balanced: bool = False       # context parallelism's causal load balance (attention.balanced_chunks)
     zero: bool = True               # distributed optimizer: reduce-scatter gradients, all-gather parameters
     grad_bytes: float = 4.0         # gradient reduction dtype
     gather_bytes: float = 2.0       # FSDP / ZeRO parameter all-gather dtype
@@ -176,8 +177,9 @@ def layout_from_config(cfg, mesh_shape: dict, num_devices: int, offload_bytes: f
         ep_slices=1 if nccl_ep or cfg.te_moe_block else cfg.num_moe_token_chunks,  # NCCL EP: one call a layer
         batch_parts=batch_parts(cfg),
         recompute=recompute_fraction(cfg), attention_kernel="flash" if cfg.attention == "cudnn_flash" else "xla",
-        attention_share=(prefix_share(length, cp, cfg.attention_chunk_size)
-                         if balanced(cfg.attention, cfg.context_parallel_load_balance, length, cp) else 1.0),
+        attention_share=context_share(cfg.attention, cfg.context_parallel_load_balance, length, cp,
+                                      cfg.attention_chunk_size),
+        cp_balanced=balanced(cfg.attention, cfg.context_parallel_load_balance, length, cp),
         zero=False, grad_bytes=4.0 if cfg.weight_dtype == "float32" else 2.0,
         gather_bytes=2.0 if cfg.dtype in ("bfloat16", "float16") else 4.0, offload_bytes=offload_bytes,
         vocab_tiles=cfg.num_vocab_tiling, expert_regather=cfg.remat_policy != "none",
@@ -283,6 +285,8 @@ class Model(NamedTuple):
                                 # context parallelism's load balance moves between the devices of a group
     kv_up_flops: float = 0.0    # MLA's key/value up-projection, forward FLOPs per token over all layers: context
                                 # parallelism computes it for the whole gathered sequence on each device
+    kv_width: int = 0           # numbers of a token's keys and values as attention reads them (MLA: expanded, all
+                                # heads), which context parallelism's cuDNN path copies rolled (attention_cudnn_cp)
 
     @classmethod
     def from_config(cls, cfg, total_params: float) -> "Model":
@@ -300,14 +304,15 @@ class Model(NamedTuple):
             q_out = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
             up = cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             kv_up = layers * 2 * cfg.kv_lora_rank * cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            kv = cfg.base_num_query_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
         else:
             width, by_tp, kv_up = 2 * cfg.base_num_kv_heads * cfg.head_dim, True, 0.0
-            q_out, up = 2 * cfg.base_num_query_heads * cfg.head_dim, 0.0
+            q_out, up, kv = 2 * cfg.base_num_query_heads * cfg.head_dim, 0.0, width
         return cls(dense, grouped, attention, total_params - expert_params, expert_params, moe_layers, d,
                    cfg.num_experts, k, f, cfg.n_routing_groups, cfg.topk_routing_group,
                    layers, head, d * cfg.vocab_size, 1 + cfg.mtp_num_layers, quantizable_flops_per_token(cfg),
                    kv_gather_width=width, kv_gather_by_tp=by_tp, kv_up_params=up,
-                   q_out_width=q_out, kv_up_flops=kv_up)
+                   q_out_width=q_out, kv_up_flops=kv_up, kv_width=kv)
 
 
 def fsdp_collective_bytes(m: Model, lay: Layout) -> dict[str, dict[str, float]]:
@@ -369,6 +374,11 @@ def compute_time(m: Model, lay: Layout, hw: Hardware, tokens: float) -> tuple[di
     local_params = (m.dense_params + m.expert_params) / lay.devices if lay.zero else (
         m.dense_params / (lay.tp * lay.pp * fsdp_dense) + m.expert_params / (lay.ep * lay.pp * lay.fsdp))
     t["memory_bound"] = (tokens * m.moe_layers * moe_bytes * passes + local_params * OPTIMIZER_BYTES_PER_PARAM) / hbm
+    if lay.cp > 1 and lay.attention_kernel == "flash":
+        # attention_cudnn_cp copies the whole sequence's keys and values rolled for each block's first document (read
+        # and written): in the forward, again where recomputed, and in the backward, with the gradients' roll back
+        whole = tokens * lay.cp * m.kv_width / lay.tp * 2
+        t["memory_bound"] += m.layers * (2 if lay.cp_balanced else 1) * (3 + lay.recompute) * 2 * whole / hbm
     compute = sum(t.values())
     if lay.ep_overlap == "full" and lay.ep > 1:
         compute /= 1 - FULL_OVERLAP_SM_SHARE
@@ -431,7 +441,7 @@ def balance_permute_bytes(m: Model, lay: Layout, tokens: float) -> float:
     """Bytes a GPU sends per step for context parallelism's causal load balance (attention.balanced_chunks): each
     layer sends the device's queries to the devices that compute them and their outputs back (collective permutes),
     again where recomputed, and the cotangents of both the other way in the backward; bf16."""
-    if lay.cp <= 1 or lay.attention_share >= 1.0:
+    if lay.cp <= 1 or not lay.cp_balanced:
         return 0.0
     return m.layers * (2 + lay.recompute) * tokens * m.q_out_width / lay.tp * 2
 
