@@ -89,11 +89,6 @@ def packed_segments(segment_ids_BL, max_segs: int):
     return jnp.where(used_BM, lengths_BM, -1), offsets_BM1, runs_B
 
 
-def trace_profile() -> dict | None:
-    """The GPU cuda_trace_profile() stands for ({"sm": ..., "cudnn": ...}), None outside it."""
-    return _profile
-
-
 def has_cuda() -> bool:
     """Whether this process's default backend is a CUDA GPU (JAX's own test in its capability check)."""
     return "cuda" in xla_bridge.get_backend().platform_version
@@ -104,14 +99,21 @@ def attention(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale: float, fallback,
 
     fallback must compute the same function (attention.py passes chunked_attention); it also serves, on
     CUDA, the batches whose rows hold more than max_segments(L) runs."""
+    cuda = functools.partial(on_cuda, scale=scale, fallback=fallback, rules=rules)
+    return cuda_or(cuda, fallback, q_BLHK, k_BLNK, v_BLNV, segment_ids_BL)
+
+
+def cuda_or(cuda, fallback, *args):
+    """cuda(*args) where this process has a CUDA GPU, or inside cuda_trace_profile(): through lax.platform_dependent,
+    so that a CUDA lowering carries the kernel and any other lowering fallback(*args); elsewhere fallback(*args),
+    logged once. (attention here; attention_cudnn_cp.attend under context parallelism.)"""
     global _warned
     if _profile is None and not has_cuda():
         if not _warned:
             logging.warning("attention=cudnn_flash: no CUDA GPU in this process; attention runs XLA's chunked path")
             _warned = True
-        return fallback(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL)
-    cuda = functools.partial(on_cuda, scale=scale, fallback=fallback, rules=rules)
-    return jax.lax.platform_dependent(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, cuda=cuda, default=fallback)
+        return fallback(*args)
+    return jax.lax.platform_dependent(*args, cuda=cuda, default=fallback)
 
 
 def on_cuda(q_BLHK, k_BLNK, v_BLNV, segment_ids_BL, *, scale, fallback, rules):

@@ -48,11 +48,9 @@ def attend(q_BQHK, start, k_BSNK, v_BSNV, kv_segment_ids_BS, *, scale: float, fa
     """Causal attention within segments of the queries at start .. start + Q - 1 against the whole sequence's
     keys and values: cuDNN's kernel on CUDA (block_attention), fallback(q, start) elsewhere (the exact chunked
     path, which must compute the same function). Outputs [B, Q, H, V]."""
-    if attention_cudnn.trace_profile() is None and not attention_cudnn.has_cuda():
-        return fallback(q_BQHK, start)
     cuda = functools.partial(block_attention, scale=scale, fallback=fallback)
-    return jax.lax.platform_dependent(q_BQHK, start, k_BSNK, v_BSNV, kv_segment_ids_BS, cuda=cuda,
-                                      default=lambda q, start, *_: fallback(q, start))
+    return attention_cudnn.cuda_or(cuda, lambda q, start, *_: fallback(q, start), q_BQHK, start, k_BSNK, v_BSNV,
+                                   kv_segment_ids_BS)
 
 
 def block_attention(q_BQHK, start, k_BSNK, v_BSNV, kv_segment_ids_BS, *, scale: float, fallback):
@@ -71,7 +69,7 @@ def block_attention(q_BQHK, start, k_BSNK, v_BSNV, kv_segment_ids_BS, *, scale: 
     def kernels(q_BQHK, k_BSNK, v_BSNV):
         k_BQNK, v_BQNV = (jax.lax.dynamic_slice_in_dim(x, start, q_len, axis=1) for x in (k_BSNK, v_BSNV))
         first = _first_run(q_BQHK, k_BQNK, v_BQNV, k_BSNK, v_BSNV, first_B, doc_start_B, start, scale)
-        in_first_BQ = jnp.arange(q_len)[None, :] < first_B[:, None]
+        in_first_BQ = _in_first_run(first_B, q_len)
         # The packed call leaves the first run's rows (in no slot) unwritten, forward and backward: their gradients
         # are cut here, before anything reads them.
         later_args = [_gradient_where(~in_first_BQ, x) for x in (q_BQHK, k_BQNK, v_BQNV)]
@@ -83,6 +81,11 @@ def block_attention(q_BQHK, start, k_BSNK, v_BSNV, kv_segment_ids_BS, *, scale: 
         return kernels(q_BQHK, k_BSNK, v_BSNV)
     return jax.lax.cond(jnp.all(runs_B <= slots + 1), kernels, lambda q, *_: fallback(q, start),
                         q_BQHK, k_BSNK, v_BSNV)
+
+
+def _in_first_run(first_B, q_len: int):
+    """[B, Q] whether each query row of the block is in its row's first run (the first first_B rows)."""
+    return jnp.arange(q_len)[None, :] < first_B[:, None]
 
 
 @jax.custom_vjp
@@ -184,7 +187,7 @@ def _first_run_fwd(q_BQHK, k_BQNK, v_BQNV, k_BSNK, v_BSNV, first_B, doc_start_B,
     out_own, stats_own = kernel_with_stats(*own, scale)
     out_before, stats_before = _on_rolled(lambda k, v, _: kernel_with_stats(q_BQHK, k, v, *before, scale),
                                           k_BSNK, v_BSNV, doc_start_B)
-    rows_BQ = jnp.arange(q_BQHK.shape[1])[None, :] < first_B[:, None]
+    rows_BQ = _in_first_run(first_B, q_BQHK.shape[1])
     # Rows past the run, and the earlier keys where there are none, take no part (whatever the kernel left there).
     lse_own_BQH = jnp.where(rows_BQ[..., None], stats_own.transpose(0, 2, 1), 0.0)
     lse_before_BQH = jnp.where((rows_BQ & has_before_B[:, None])[..., None], stats_before.transpose(0, 2, 1), -jnp.inf)
@@ -201,7 +204,7 @@ def _first_run_fwd(q_BQHK, k_BQNK, v_BQNV, k_BSNK, v_BSNV, first_B, doc_start_B,
 def _first_run_bwd(scale, residuals, dout_BQHV):
     q_BQHK, k_BQNK, v_BQNV, k_BSNK, v_BSNV, first_B, doc_start_B, start, out, stats_BHQ = residuals
     own, before, has_before_B = _first_run_parts(q_BQHK, k_BQNK, v_BQNV, first_B, doc_start_B, start)
-    rows_BQ = jnp.arange(q_BQHK.shape[1])[None, :] < first_B[:, None]
+    rows_BQ = _in_first_run(first_B, q_BQHK.shape[1])
     dout = jnp.where(rows_BQ[..., None, None], dout_BQHV, 0).astype(dout_BQHV.dtype)
     dq_own, dk_own, dv_own = kernel_backward(*own, scale, stats_BHQ, out, dout)
 
