@@ -16,11 +16,15 @@ for _flag in ("--xla_force_host_platform_device_count=8",
 os.environ["XLA_FLAGS"] = _flags.strip()
 # Many tests build the same programs again (each train() call jits afresh, subprocess trainers start cold):
 # a compilation cache for the session turns those recompiles into reads. Subprocesses inherit it.
+# The process that makes it (pytest's main one; xdist's workers end first) removes it at exit: a GiB or more a run.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_cache_")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import MaxText  # noqa: E402,F401 - its EPATH_USE_TF choice precedes jax's compilation cache's first use of epath

@@ -34,7 +34,7 @@ def test_every_gpu_recipe_passes(recipe):
     assert {"profile", "devices", "mesh", "xla_flags", "data", "quantization", "nccl_ep", "hbm", "pinned_pool",
             "host_memory", "lowering"} <= set(_rows(result, "pass")), _rows(result)
     lowering = _rows(result)["lowering"]["detail"]
-    assert "TE FFI calls (te_grouped_gemm" in lowering and "up to the first TE kernel" in lowering, lowering
+    assert re.search(r"TE FFI calls \([^)]*te_grouped_gemm", lowering) and "up to the first TE kernel" in lowering, lowering
     # a GPU's all-gathers per step: a few hundred GiB (the layers' weights, twice); the context-parallel recipes' once
     # were 22 TB (attention's chunk loop left to the partitioner re-gathered the keys in every trip)
     gathered = float(re.search(r"all-gather ([\d.]+) GiB", lowering).group(1))

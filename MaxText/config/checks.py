@@ -159,6 +159,13 @@ def nvfp4_without_rht(cfg) -> list[str]:
     return [name for name, weight in dense_weights(cfg).items() if not nvfp4_rht(cfg.quantization, *weight.widths)]
 
 
+def sequence_block(quantization: str) -> int:
+    """How many tokens of a sequence TE's quantized copies of the activations block together (a sequence's length,
+    or under context parallelism each device's piece of it, must be a multiple): MXFP8's scaling blocks 32, NVFP4's
+    Hadamard transform 64; tensor-scaled FP8 and bf16 block nothing."""
+    return 64 if quantization.startswith("te_nvfp4") else 32 if quantization == "te_mxfp8" else 1
+
+
 def check_quantized_gemms(cfg) -> None:
     """What TE's quantized GEMMs need of every dense GEMM's widths (each is contracted in one pass or another):
     multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks) and NVFP4 (cuBLAS); likewise the
@@ -179,12 +186,12 @@ def check_quantized_gemms(cfg) -> None:
                               f"(set by {weight.keys}); use widths that are multiples of {align} or "
                               "quantization=none")
     tokens = cfg.per_device_batch_size * cfg.max_target_length / cfg.gradient_accumulation_steps
-    if nvfp4 and (tokens % 64 or cfg.max_target_length % 64):
+    if nvfp4 and (tokens % 64 or cfg.max_target_length % sequence_block(cfg.quantization)):
         raise ConfigError(f"quantization={cfg.quantization}: a device's micro-batch holds {tokens:g} tokens "
                           f"(per_device_batch_size x max_target_length / gradient_accumulation_steps) of sequences "
                           f"of {cfg.max_target_length}: TE's NVFP4 copies block the tokens by 16 in scale tiles of "
                           "4 blocks, and its Hadamard transform takes 64 rows at a time; make both multiples of 64")
-    if tokens % align or (align == 32 and cfg.max_target_length % align):
+    if tokens % align or cfg.max_target_length % sequence_block(cfg.quantization):
         raise ConfigError(f"quantization={cfg.quantization}: a device's micro-batch holds {tokens:g} tokens "
                           f"(per_device_batch_size x max_target_length / gradient_accumulation_steps) of sequences "
                           f"of {cfg.max_target_length}: {why}, and the weight gradient contracts the tokens; make "

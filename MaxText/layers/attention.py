@@ -137,14 +137,15 @@ def attention(q_BLHK, k_BSNK, v_BSNV, segment_ids_BL, *, impl: str, chunk_size: 
 
 
 def expanded_attention(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: str, chunk_size: int,
-                       scale: float | None = None, rules=None, load_balance: bool = False):
+                       scale: float | None = None, rules=None, load_balance: bool = False, check_vma: bool = True):
     """attention against the keys and values expand(*kv_args, rules) -> (k, v) (GQA: given; MLA: expanded from the
     whole sequence's latent), kv_axes the logical axes of kv_args. Under context parallelism the expansion runs per
     device with the attention (context_parallel), so the backward sums kv_args' cotangents over the context axis
-    (MLA: the latent's, 576 numbers a token, not its expanded keys' and values' 40960)."""
+    (MLA: the latent's, 576 numbers a token, not its expanded keys' and values' 40960). check_vma=False where
+    expand calls Transformer Engine (its custom VJPs carry no shard_map manual-axis types)."""
     if context_axes(rules):
         return context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, impl=impl, chunk_size=chunk_size,
-                                scale=scale, rules=rules, load_balance=load_balance)
+                                scale=scale, rules=rules, load_balance=load_balance, check_vma=check_vma)
     k_BSNK, v_BSNV = expand(*kv_args, rules)
     if impl == "cudnn_flash":
         scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
@@ -157,7 +158,7 @@ def expanded_attention(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl
 
 
 def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: str, chunk_size: int, scale, rules,
-                     load_balance: bool = False):
+                     load_balance: bool = False, check_vma: bool = True):
     """Context parallelism's all-gather strategy on one device, in shard_map: its piece of every sequence's queries
     (positions from the piece's start on) against the whole keys and values expanded there from kv_args (given
     whole: XLA gathers them over the context axis), document masking by the whole row's segment ids. Left to the
@@ -179,8 +180,10 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
 
     def local(q, kv_segment_ids, *kv_args):
         # Whole on devices that differ in their queries, kv_args are marked as varying over those axes here, so that
-        # the backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop.
-        kv_args = [jax.lax.pcast(a, over, to="varying") for a, over in zip(kv_args, whole_on)]
+        # the backward sums their cotangents over the devices once, here, and not in every trip of the chunk loop
+        # (without check_vma nothing is typed and shard_map's transpose sums them on the way out).
+        if check_vma:
+            kv_args = [jax.lax.pcast(a, over, to="varying") for a, over in zip(kv_args, whole_on)]
         k, v = expand(*kv_args, None)
 
         def exact(q_BQHK, start, latest=None):  # the XLA paths for queries at start ..
@@ -200,7 +203,8 @@ def context_parallel(q_BLHK, expand, kv_args, kv_axes, segment_ids_BL, *, impl: 
             return balanced_chunks(q, axes, devices, block)
         return block(q, jax.lax.axis_index(axes) * piece)
 
-    return jax.shard_map(local, in_specs=(q_spec, rows, *kv_specs), out_specs=q_spec)(q_BLHK, segment_ids_BL, *kv_args)
+    return jax.shard_map(local, in_specs=(q_spec, rows, *kv_specs), out_specs=q_spec,
+                         check_vma=check_vma)(q_BLHK, segment_ids_BL, *kv_args)
 
 
 def balanced(impl: str, load_balance: bool, length: int, devices: int) -> bool:

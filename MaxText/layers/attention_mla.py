@@ -105,7 +105,7 @@ class MLA(DenseGemms, nnx.Module):
         out_BLHV = expanded_attention(
             q_BLHK, self._keys_values, (c_BLR, k_pe_BL1P, w_RHK), latent_axes, segment_ids_BL, impl=self.attention,
             chunk_size=self.attention_chunk_size, scale=self.softmax_scale, rules=self.rules,
-            load_balance=self.load_balance)
+            load_balance=self.load_balance, check_vma=self.quantization == "none")
         return self._out(out_BLHV)
 
     def _keys_values(self, c_BLR, k_pe_BL1P, w_RHK, rules):

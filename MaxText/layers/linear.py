@@ -22,7 +22,7 @@ from MaxText.config.schema import QUANTIZATION_RECIPES
 from MaxText.layers.moe.te_kernels import quantizer_set
 from MaxText.layers.moe.te_runtime import import_te
 from MaxText.parallel.checks import DATA_AXES
-from MaxText.parallel.sharding import logical_to_spec
+from MaxText.parallel.sharding import logical_to_spec, spec_axes
 
 
 def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -34,7 +34,8 @@ def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def gathered(w, logical, rules):
-    """w with its FSDP shards gathered (every data axis taken off its sharding; the tensor axis kept), as XLA
+    """w with its FSDP shards gathered (every data axis and the context axis taken off its sharding; the tensor axis
+    kept), as XLA
     gathers a weight for an einsum. TE's dense() partitions by its own rules: handed an FSDP-sharded weight it
     keeps the weight's sharding in its output, which clashes with a batch split over some of the same axes
     (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running TE's partitioner on CPU), and it
@@ -42,8 +43,7 @@ def gathered(w, logical, rules):
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return w
     spec = logical_to_spec(logical, rules)
-    kept = [tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in DATA_AXES) or None
-            for axes in spec]
+    kept = [tuple(a for a in spec_axes(axes) if a not in (*DATA_AXES, "context")) or None for axes in spec]
     return jax.lax.with_sharding_constraint(w, P(*kept))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from MaxText.config.checks import sequence_block
 from MaxText.config.schema import MESH_AXES
 from MaxText.config.errors import ConfigError
 from MaxText.config.load import batch_parts, global_batch_size
@@ -29,8 +30,9 @@ def check_mesh(cfg, shape: dict) -> None:
 
 
 def check_context(cfg, shape: dict) -> None:
-    """Context parallelism splits every sequence in `context` equal pieces, attention through XLA (the
-    all-gather strategy); what it does not take yet is refused in one line."""
+    """Context parallelism splits every sequence in `context` equal pieces (the all-gather strategy), each a whole
+    number of the blocks TE's quantized copies take under `quantization`; what it does not take yet is refused in
+    one line."""
     context = shape["context"]
     if context == 1:
         return
@@ -43,10 +45,12 @@ def check_context(cfg, shape: dict) -> None:
     if cfg.max_target_length % context:
         raise ConfigError(f"max_target_length={cfg.max_target_length} does not split over the context axis of size "
                           f"{context}; change {axes} or max_target_length")
-    if cfg.quantization != "none":
-        raise ConfigError(f"quantization={cfg.quantization} (TE's dense GEMMs) with context parallelism ({axes} = "
-                          f"{context}) is not built yet: TE's quantize partitions a context-split sequence into shards "
-                          "its scale blocks do not divide; set quantization=none")
+    block = sequence_block(cfg.quantization)
+    if (cfg.max_target_length // context) % block:
+        raise ConfigError(f"quantization={cfg.quantization}: each device's piece of a sequence holds "
+                          f"{cfg.max_target_length // context} tokens (max_target_length / context = "
+                          f"{cfg.max_target_length} / {context}) and TE's quantized copies block it by {block}; "
+                          f"make max_target_length a multiple of {block * context} or change {axes}")
     if cfg.num_experts > 1 and nccl_ep_used(cfg, shape):
         raise ConfigError(f"moe_impl=te_dropless's NCCL EP exchange with context parallelism ({axes} = {context}) is "
                           "not built yet (TE's MeshResource takes the context axis as a replica); set "

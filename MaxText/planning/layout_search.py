@@ -15,6 +15,8 @@ tokens/s/GPU and prints the best as `key=value` overrides for the recipe.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from typing import NamedTuple
 
@@ -102,7 +104,8 @@ def search(argv: list[str], top: int = 5) -> dict:
                 overrides = (*layout, f"per_device_batch_size={batch:g}", *remat, *split, *fallback, *hops)
                 tried += 1
                 try:
-                    cfg = load_config([*argv, *overrides])
+                    with _quiet():  # the recipe's config warnings were logged once, for `base`
+                        cfg = load_config([*argv, *overrides])
                     shape = sharding.mesh_shape(cfg, n)
                     cp = shape["context"] > 1
                     if cp not in specs:
@@ -122,6 +125,17 @@ def search(argv: list[str], top: int = 5) -> dict:
     return {"num_devices": n, "hardware": steptime.PROFILE_HARDWARE[base.gpu_profile], "hbm_gib": hbm,
             "tried": tried, "fitting": len(found), "best": [c._asdict() for c in found[:top]],
             "best_dropping_nothing": [c._asdict() for c in [c for c in found if not c.drops][:min(top, 3)]]}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No log records of WARNING or below within."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
 
 
 def format_search(result: dict) -> str:
