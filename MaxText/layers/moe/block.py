@@ -8,7 +8,7 @@ from flax import nnx
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe import dense, dropless, te_block, te_kernels
 from MaxText.layers.moe.experts import ExpertWeights
-from MaxText.layers.moe.layout import slice_scope
+from MaxText.layers.moe.layout import mesh_layout, slice_scope
 from MaxText.layers.moe.router import Choice, choose, float32_logits, routing_stats
 from MaxText.layers.params import fan_in_init, param
 from MaxText.parallel.sharding import constrain
@@ -67,6 +67,9 @@ class MoeBlock(nnx.Module):
         topk = te_kernels.kernels(cfg).topk if cfg.moe_impl == "te_dropless" else None
         logits = te_block.gate_logits if cfg.te_moe_block else float32_logits
         weights = ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
+        if len(xs_BLD) > 1 and MOE_FFNS[cfg.moe_impl] is dropless.moe_ffn and not cfg.te_moe_block:
+            # gathered over FSDP once for all the parts (each part's shard_map gathered its own: twice the traffic)
+            weights = mesh_layout(self.rules).gather_once(weights, xs_BLD[0].dtype)
         ys, choices, valids = [], [], []
         overflow = fallback = jnp.zeros((), jnp.float32)
         for k, (x_BLD, segment_ids_BL) in enumerate(zip(xs_BLD, segment_ids, strict=True)):

@@ -57,7 +57,7 @@ def moe_ffn(x_TD, routing: Routing, w, cfg, rules=None, kernels=None):
     exchanges, so a slice's all-to-all need not wait for another's GEMMs (the result is the same)."""
     kernels = kernels or te_kernels.kernels(cfg)
     layout = mesh_layout(rules)
-    plan = dispatcher(cfg, layout, kernels, w.wi_0_EDF.shape[0])
+    plan = dispatcher(cfg, layout, kernels, w.wi_0_EDF.shape[-3])  # [E, D, F], or gather_once's [1, E, D, F]
     gemm = kernels.gemm(cfg.te_gmm_quantization)
     if isinstance(plan, NcclEp):
         # TE partitions its NCCL EP ops over the global arrays: only the experts run per rank, in shard_map.

@@ -77,7 +77,7 @@ def grouped_matmul(x_RD, w_EDF, group_sizes_E, *, kernel: str = "auto", block_si
     # same mesh axes. Casting here (outside the custom VJP) lets JAX's transpose of the cast psum the
     # gradient of an input that was replicated.
     vma = _vma(x_RD) | _vma(w_EDF) | _vma(group_sizes_E)
-    x_RD, w_EDF, group_sizes_E = (_cast_varying(a, vma) for a in (x_RD, w_EDF, group_sizes_E))
+    x_RD, w_EDF, group_sizes_E = (cast_varying(a, vma) for a in (x_RD, w_EDF, group_sizes_E))
     return _block_sparse(x_RD, w_EDF, group_sizes_E, block)
 
 
@@ -89,7 +89,7 @@ def _vma(a) -> frozenset:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
-def _cast_varying(a, axes: frozenset):
+def cast_varying(a, axes: frozenset):
     missing = tuple(sorted(axes - _vma(a)))
     return lax.pcast(a, missing, to="varying") if missing else a
 
@@ -160,7 +160,7 @@ def _block_sparse_fwd(x_RD, w_EDF, group_sizes_E, block):
         return lax.dynamic_update_slice_in_dim(y_RF, y_ZF, first, 0)
 
     # A loop with a traced trip count runs only the blocks that hold real rows: padding costs nothing.
-    y_RF = _cast_varying(jnp.zeros((num_rows, w_EDF.shape[2]), x_RD.dtype), _vma(x_RD))
+    y_RF = cast_varying(jnp.zeros((num_rows, w_EDF.shape[2]), x_RD.dtype), _vma(x_RD))
     y_RF = lax.fori_loop(0, layout.num_blocks, one_block, y_RF)
     return y_RF, (x_RD, w_EDF, group_sizes_E)
 
@@ -187,8 +187,8 @@ def _block_sparse_bwd(block, residuals, dy_RF):
         return dx_RD, lax.dynamic_update_index_in_dim(dw_EDF, dw_DF, expert, 0)
 
     # dW accumulates in float32 across blocks of the same expert; one cast at the end.
-    init = (_cast_varying(jnp.zeros_like(x_RD), _vma(x_RD)),
-            _cast_varying(jnp.zeros(w_EDF.shape, jnp.float32), _vma(x_RD)))
+    init = (cast_varying(jnp.zeros_like(x_RD), _vma(x_RD)),
+            cast_varying(jnp.zeros(w_EDF.shape, jnp.float32), _vma(x_RD)))
     dx_RD, dw_EDF = lax.fori_loop(0, layout.num_blocks, one_block, init)
     return dx_RD, dw_EDF.astype(w_EDF.dtype), None
 

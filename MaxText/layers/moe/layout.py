@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from MaxText.layers.moe.experts import ExpertWeights
+from MaxText.layers.moe.gmm import cast_varying
 from MaxText.parallel.sharding import context_axes, logical_to_spec, spec_axes
 
 
@@ -51,6 +52,15 @@ def _gather_bwd(axes, dim, dtype, empty, g):
 gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
 
 
+class Gathered(ExpertWeights):
+    """Expert weights gathered once for every part of a split batch (MeshLayout.gather_once): each device's
+    whole copy of its experts' weights, [1, E/ep, D, F], on a leading dim split over the axes they were gathered
+    over and the data axes (MeshLayout._replicas), so that each part's shard_map takes that copy as it is and its
+    gradient stays the device's own until the gather's backward reduce-scatters the parts' sum once."""
+
+    __slots__ = ()
+
+
 class MeshLayout(NamedTuple):
     """How a per-device MoE function sits on the mesh: tokens split over the batch axes; expert weights enter
     in their own sharding (E over `expert`, D over the `embed` axes: fsdp, F over the `mlp` axes) and are
@@ -68,19 +78,48 @@ class MeshLayout(NamedTuple):
         abstract values carry no manual-axis type (JAX's check rejects them)."""
         if not self.on_mesh:
             return body(*token_arrays, w)
-        exp, f, d = ("expert" if self.num_ep > 1 else None), (self.mlp or None), (self.embed or None)
         tokens = P(self.batch or None)
-        weights = ExpertWeights(P(exp, d, f), P(exp, d, f), P(exp, f, d))
+        weights = self._gathered_specs() if isinstance(w, Gathered) else self._weight_specs()
         return jax.shard_map(body, in_specs=(*(tokens,) * len(token_arrays), weights), out_specs=(tokens, P()),
                              check_vma=check_vma)(*token_arrays, w)
 
+    def _weight_specs(self) -> ExpertWeights:
+        exp, f, d = ("expert" if self.num_ep > 1 else None), (self.mlp or None), (self.embed or None)
+        return ExpertWeights(P(exp, d, f), P(exp, d, f), P(exp, f, d))
+
+    def _replicas(self) -> tuple:
+        """The axes a device's copy of gathered weights is its own over (gather_once): those it was gathered over,
+        then the batch's others but `expert`, so that no part's backward sums it there (over the data axes the
+        weight's own shard is summed once, after the reduce-scatter)."""
+        exp = ("expert",) if self.num_ep > 1 else ()
+        return self.embed + tuple(a for a in self.batch if a not in self.embed + exp)
+
+    def _gathered_specs(self) -> Gathered:
+        exp, f, r = ("expert" if self.num_ep > 1 else None), (self.mlp or None), self._replicas()
+        return Gathered(P(r, exp, None, f), P(r, exp, None, f), P(r, exp, f, None))
+
     def gather(self, w: ExpertWeights, dtype) -> ExpertWeights:
-        """Inside run's body: this device's experts' whole weights, in `dtype` (LOCAL: w as it is)."""
+        """Inside run's body: this device's experts' whole weights, in `dtype` (LOCAL: w as it is; gather_once's:
+        the device's copy)."""
         if not self.on_mesh:
             return w
+        if isinstance(w, Gathered):
+            return ExpertWeights(*(a[0].astype(dtype) for a in w))
         return ExpertWeights(gather_for_compute(w.wi_0_EDF, self.embed, 1, dtype),
                              gather_for_compute(w.wi_1_EDF, self.embed, 1, dtype),
                              gather_for_compute(w.wo_EFD, self.embed, 2, dtype))
+
+    def gather_once(self, w: ExpertWeights, dtype) -> ExpertWeights:
+        """The weights gathered over FSDP once, for run's bodies to take as they are (Gathered), where the parts
+        of a split batch would each gather them again (and reduce-scatter their gradients again: twice the FSDP
+        traffic of one batch, as the compiled step showed). w itself where nothing is gathered."""
+        if not self.on_mesh or not self.embed:
+            return w
+
+        def once(w):
+            return Gathered(*(cast_varying(a, frozenset(self._replicas()))[None] for a in self.gather(w, dtype)))
+
+        return jax.shard_map(once, in_specs=(self._weight_specs(),), out_specs=self._gathered_specs())(w)
 
     def reduce(self, y, overflow):
         """Inside run's body, its result: the tensor shards' partial outputs added up (each holds a slice of F)
