@@ -163,9 +163,9 @@ def test_command_line_table_json_and_errors(capsys):
     assert "682.64B total (671.03B without MTP)" in table and "verdict: fits in 184 GiB" in table, table
     assert plan_command.main([recipe, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["mesh"] == {"data": 1, "fsdp": 16, "context": 1, "expert": 8, "tensor": 1}
+    assert result["mesh"] == {"data": 1, "fsdp": 32, "context": 1, "expert": 4, "tensor": 1}
     assert result["bytes"]["total"] == sum(v for k, v in result["bytes"].items() if k != "total")
-    assert plan_command.main([recipe, "num_devices=100"]) == 2  # 16 x 8 does not tile 100 devices: one line, exit 2
+    assert plan_command.main([recipe, "num_devices=100"]) == 2  # 32 x 4 does not tile 100 devices: one line, exit 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
 
@@ -179,9 +179,10 @@ def test_te_fp8_copies_are_counted(quantization, per_element):
     cfg = load_config([recipe, f"te_gmm_quantization={quantization}"])
     bf16 = plan.plan(load_config([recipe, "te_gmm_quantization=none"]))
     fp8 = plan.plan(cfg)
-    r, d, f, local = plan.moe_rows(cfg, fp8["tokens_per_device"], 8), 7168, 2048, 256 // 8
-    balanced = fp8["tokens_per_device"] * 8 // 8  # T x K slots over 8 peers
-    assert 8 * 2 * balanced <= r <= 8 * 2 * balanced + 128 * local  # 8 peers x 2x, expert groups 128-aligned
+    ep = fp8["mesh"]["expert"]
+    r, d, f, local = plan.moe_rows(cfg, fp8["tokens_per_device"], ep), 7168, 2048, 256 // ep
+    balanced = fp8["tokens_per_device"] * 8 // ep  # T x K slots over the EP peers
+    assert ep * 2 * balanced <= r <= ep * 2 * balanced + 128 * local  # ep peers x 2x, expert groups 128-aligned
     forward = per_element * (2 * r * d + r * f + 3 * local * d * f)
     backward = per_element * (2 * r * f + r * d)
     assert fp8["activation_detail"]["te_fp8_per_moe_layer"] == pytest.approx(forward + backward)
@@ -210,7 +211,7 @@ def test_te_dense_fp8_copies_scale_with_the_recipes_bytes():
     none, fp8, mx = (plan.plan(load_config([recipe, f"quantization={q}"]))
                      for q in ("none", "te_fp8_currentscaling", "te_mxfp8"))
     added = {name: p["bytes"]["activations"] - none["bytes"]["activations"] for name, p in (("fp8", fp8), ("mx", mx))}
-    assert added["fp8"] > 2**30, added  # DeepSeek-V3's MLA and shared expert, 6 x 4096 tokens: GiBs
+    assert added["fp8"] > 2**30, added  # DeepSeek-V3's MLA and shared expert, 4 x 4096 tokens: GiBs
     assert added["mx"] == pytest.approx(added["fp8"] * (1 + 1 / 32)), added
     for name in none["bytes"]:
         if name not in ("activations", "total"):

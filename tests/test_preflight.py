@@ -62,7 +62,7 @@ def test_every_gpu_recipe_passes(recipe):
     # A check of the config against its mesh (parallel/checks.py), said once, in the mesh row.
     ("NCCL EP buffer below 1", ["ragged_buffer_factor=0.5"], "mesh", "which NCCL EP's receive buffer does not take"),
     ("batch over the data shards", ["per_device_batch_size=0.5"], "mesh", "does not split over the 128 data shards"),
-    ("offload over the pool", ["host_memory_limit_gb=64"], "pinned_pool", "set host_memory_limit_gb=132"),
+    ("offload over the pool", ["host_memory_limit_gb=64"], "pinned_pool", "set host_memory_limit_gb=88"),
     ("XLA's default pool", ["host_memory_limit_gb=null"], "pinned_pool", "(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)"),
     ("pool over host memory", ["host_memory_limit_gb=250"], "host_memory", "lower host_memory_limit_gb"),
     ("renamed XLA flag", ["xla_flags=--xla_gpu_enable_nccl_symmetric_buffers=true"], "xla_flags",
@@ -129,13 +129,13 @@ def test_ici_blocks_stay_inside_a_slice_whatever_the_rank_order():
 
 def test_gb200_slices_are_nvlink_domains():
     """128 GB200 GPUs = 32 trays of 4, 16 in each of 2 NVL72 racks: 2 slices of 64; the fixed recipe's ICI
-    fsdp 8 x expert 8 fills one, and EP (the inner part of the mesh) never leaves a rack."""
+    fsdp 16 x expert 4 fills one, and EP (the inner part of the mesh) never leaves a rack."""
     cfg = load_config([GB200])
     devices = simulated_devices(GPU_PROFILES["gb200-nvl72"], 128)
     assert len({d.slice_index for d in devices}) == 2 and len({d.host for d in devices}) == 32
     grid = sharding.device_grid(cfg, devices)
-    assert grid.shape == (1, 16, 1, 8, 1)  # data, fsdp, context, expert, tensor
-    for fsdp in range(16):
+    assert grid.shape == (1, 32, 1, 4, 1)  # data, fsdp, context, expert, tensor
+    for fsdp in range(32):
         assert len({d.slice_index for d in grid[0, fsdp, 0, :, 0]}) == 1, f"expert group {fsdp} crosses racks"
 
 

@@ -116,10 +116,10 @@ def test_a_mesh_filled_in_from_minus_one_is_read_from_the_mesh():
 
 def test_the_gb200_recipe_reads_its_layout_and_prints_its_step(capsys):
     cfg = load_config([GB200_RECIPE])
-    layout = steptime.layout_from_config(cfg, {"data": 1, "fsdp": 16, "expert": 8, "tensor": 1}, 128)
-    # fsdp 8 x expert 8 in each NVL72 rack, fsdp 2 across the two: 8 (and 64) members of each group per rack
+    layout = steptime.layout_from_config(cfg, {"data": 1, "fsdp": 32, "expert": 4, "tensor": 1}, 128)
+    # fsdp 16 x expert 4 in each NVL72 rack, fsdp 2 across the two: 16 (and 64) members of each group per rack
     assert (layout.ep, layout.fsdp, layout.fsdp_dense, layout.fsdp_local, layout.fsdp_dense_local) == (
-        8, 16, 128, 8, 64)
+        4, 32, 128, 16, 64)
     assert layout.grouped_precision == "fp8" and layout.attention_kernel == "flash" and layout.dispatch_per == "node"
     assert 0 < layout.recompute < 1  # custom remat: the attention products and the remat-named matmuls
     assert plan_command.main([GB200_RECIPE]) == 0
@@ -219,7 +219,7 @@ def test_quantization_speeds_up_the_quantizable_dense_gemms_only(quantization):
     """`quantization` puts the attention projections, dense MLPs and shared experts in FP8 (NVFP4), not the router,
     the output heads or MTP's projection: the dense GEMM term drops by exactly that share's FP8 (FP4) speed-up, the
     rest of the step is modelled as before."""
-    cfg = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml"])
+    cfg = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml", "quantization=none"])
     quantized = load_config(["configs/gpu/deepseek3-671b-gb200-128.yml", f"quantization={quantization}"])
     m = steptime.Model.from_config(cfg, 671e9)
     assert 0.5 * m.dense_gemm_flops < m.quantizable_gemm_flops < m.dense_gemm_flops, m
