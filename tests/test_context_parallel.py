@@ -48,12 +48,18 @@ MODELS["MLA, cuDNN"] = [*MODELS["MLA"][:-2], "attention=cudnn_flash", "attention
 _ONE = {}  # model -> one device's results
 
 
+def _step(cfg, devices: int = 8):
+    """cfg's mesh on the first `devices` devices, a batch for it and its function (batch, bias) -> (loss, MoE stats,
+    gradients) (test_batch_split's)."""
+    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
+    batch = _batch(int(devices * cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
+    return mesh, batch, _loss_and_grads(cfg, mesh)
+
+
 def _results(model: str, mesh_args: list, devices: int, jaxprs: list | None = None, routings=tuple(BIASES)):
     """(loss, MoE stats, gradients) under each of `routings` (BIASES); jaxprs, when given, takes the step's jaxpr."""
     cfg = tiny_config(*MODEL, *MODELS[model], *mesh_args)
-    mesh = sharding.create_mesh(cfg, jax.devices()[:devices])
-    batch = _batch(int(devices * cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
-    run = _loss_and_grads(cfg, mesh)
+    mesh, batch, run = _step(cfg, devices)
     with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         if jaxprs is not None:
             jaxprs.append(jax.make_jaxpr(run)(batch, jnp.zeros(8, jnp.float32)))
@@ -123,9 +129,7 @@ def test_quantized_dense_gemms_under_context_parallelism(te_on_cpu):
     got = _results("MLA, MXFP8", MESHES["data2_context2_expert2"], 8, jaxprs=jaxprs, routings=["uniform"])
     ops = te_trace.te_op_counts(jaxprs[0])
     assert ops.get("te_gemm_v2", 0) >= 3 * 7, ops  # 7 dense GEMMs a layer at least, forward and both gradients
-    inside = [te_trace.te_op_counts(e.params["jaxpr"]) for e in te_trace.equations(jaxprs[0])
-              if str(e.primitive) == "shard_map"]
-    assert any(c.get("te_gemm_v2") and c.get("te_dbias_quantize") for c in inside), inside  # MLA's expansion
+    _assert_te_inside_the_attention(jaxprs[0])
     one = _one_device("MLA, MXFP8", routings=["uniform"])
     _compare("MLA, MXFP8", "data2_context2_expert2", one, got, gradient_norm=0.15)
 
@@ -137,16 +141,19 @@ def test_nvfp4_dense_gemms_lower_under_context_parallelism(te_on_cpu):
     from a state of a row per device that TE's abstract evaluation asks for (it refused one row, and a sharding
     constraint there), drawn from the device's own key. (Trained 3 steps on fsdp 2 x context 4: within 0.15% of
     fsdp 8's losses, measured.)"""
-    from MaxText.planning import te_trace
-
     cfg = tiny_config(*MODEL, *MODELS["MLA, MXFP8"], *MESHES["data2_context2_expert2"], "quantization=te_nvfp4",
                       "max_target_length=128")
-    mesh = sharding.create_mesh(cfg)
-    batch = _batch(8 * int(cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
-    run = _loss_and_grads(cfg, mesh)
+    mesh, batch, run = _step(cfg)
     with jax.set_mesh(mesh), te_runtime.mesh_context(cfg):
         jaxpr = jax.make_jaxpr(run)(batch, jnp.zeros(8, jnp.float32))
         jax.jit(run).lower(batch, jnp.zeros(8, jnp.float32))
+    _assert_te_inside_the_attention(jaxpr)
+
+
+def _assert_te_inside_the_attention(jaxpr):
+    """TE quantizes and multiplies inside a shard_map of the step (MLA's key/value expansion beside the queries)."""
+    from MaxText.planning import te_trace
+
     inside = [te_trace.te_op_counts(e.params["jaxpr"]) for e in te_trace.equations(jaxpr)
               if str(e.primitive) == "shard_map"]
     assert any(c.get("te_gemm_v2") and c.get("te_dbias_quantize") for c in inside), inside
@@ -156,9 +163,7 @@ def test_the_sequence_is_split_and_the_keys_gathered():
     """The lowered step on context 4 x expert 2 holds each device's quarter of every sequence and all-gathers the
     keys and values (GQA) over the context axis: the strategy is the one claimed, not XLA's own choice."""
     cfg = tiny_config(*MODEL, *MODELS["GQA"], *MESHES["context4_expert2"])
-    mesh = sharding.create_mesh(cfg)
-    batch = _batch(8 * int(cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
-    run = _loss_and_grads(cfg, mesh)
+    mesh, batch, run = _step(cfg)
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda b: run(b, jnp.zeros(8, jnp.float32))).lower(batch).compile().as_text()
     # keys / values [rows, L, kv heads 2, head_dim 8] gathered along L (dimension 1), 2 groups of the 4 context devices
@@ -224,9 +229,7 @@ def test_the_chunk_loop_moves_nothing_over_the_context_axis():
 
     cfg = tiny_config(*MODEL, *MODELS["MLA"], *MESHES["context4_expert2"], "max_target_length=64",
                       "attention_chunk_size=2", "per_device_batch_size=0.25")
-    mesh = sharding.create_mesh(cfg)
-    batch = _batch(round(8 * cfg.per_device_batch_size), cfg.max_target_length, cfg.vocab_size, mesh)
-    run = _loss_and_grads(cfg, mesh)
+    mesh, batch, run = _step(cfg)
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda b: run(b, jnp.zeros(8, jnp.float32))).lower(batch).compile().as_text()
     over_context = [c for c in count_collectives(hlo, 8)[0] if c.group == 4 and c.kind != "all-to-all"]

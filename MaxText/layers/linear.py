@@ -35,10 +35,9 @@ def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def gathered(w, logical, rules):
     """w with its FSDP shards gathered (every data axis and the context axis taken off its sharding; the tensor axis
-    kept), as XLA
-    gathers a weight for an einsum. TE's dense() partitions by its own rules: handed an FSDP-sharded weight it
-    keeps the weight's sharding in its output, which clashes with a batch split over some of the same axes
-    (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running TE's partitioner on CPU), and it
+    kept), as XLA gathers a weight for an einsum. TE's dense() partitions by its own rules: handed an FSDP-sharded
+    weight it keeps the weight's sharding in its output, which clashes with a batch split over some of the same
+    axes (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running TE's partitioner on CPU), and it
     quantizes each shard on its own (MXFP8 would need 32-row shards)."""
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return w

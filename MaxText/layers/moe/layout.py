@@ -83,19 +83,22 @@ class MeshLayout(NamedTuple):
         return jax.shard_map(body, in_specs=(*(tokens,) * len(token_arrays), weights), out_specs=(tokens, P()),
                              check_vma=check_vma)(*token_arrays, w)
 
+    def _expert_axis(self):
+        """The mesh axis splitting the experts (E), None without expert parallelism."""
+        return "expert" if self.num_ep > 1 else None
+
     def _weight_specs(self) -> ExpertWeights:
-        exp, f, d = ("expert" if self.num_ep > 1 else None), (self.mlp or None), (self.embed or None)
+        exp, f, d = self._expert_axis(), (self.mlp or None), (self.embed or None)
         return ExpertWeights(P(exp, d, f), P(exp, d, f), P(exp, f, d))
 
     def _replicas(self) -> tuple:
         """The axes a device's copy of gathered weights is its own over (gather_once): those it was gathered over,
         then the batch's others but `expert`, so that no part's backward sums it there (over the data axes the
         weight's own shard is summed once, after the reduce-scatter)."""
-        exp = ("expert",) if self.num_ep > 1 else ()
-        return self.embed + tuple(a for a in self.batch if a not in self.embed + exp)
+        return self.embed + tuple(a for a in self.batch if a not in (*self.embed, self._expert_axis()))
 
     def _gathered_specs(self) -> Gathered:
-        exp, f, r = ("expert" if self.num_ep > 1 else None), (self.mlp or None), self._replicas()
+        exp, f, r = self._expert_axis(), (self.mlp or None), self._replicas()
         return Gathered(P(r, exp, None, f), P(r, exp, None, f), P(r, exp, f, None))
 
     def gather(self, w: ExpertWeights, dtype) -> ExpertWeights:

@@ -111,16 +111,15 @@ def nvfp4_quantizer_set(te, *, rht: bool, sr_key=None):
 
     key = jax.random.key(0) if sr_key is None else sr_key
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+    manual = not mesh.empty and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+    if manual:
         # inside shard_map (MLA's key/value expansion under context parallelism), where TE partitions nothing but
         # still wants a row per device: the rows drawn from this device's own key (its kernel reads the first)
         key = jax.random.fold_in(key, jax.lax.axis_index(mesh.axis_names))
-        state = jax.random.bits(key, (get_num_devices_in_mesh(), 4), jnp.uint32)
-    else:
-        state = jax.random.bits(key, (get_num_devices_in_mesh(), 4), jnp.uint32)
-        axes = get_all_mesh_axes()
-        if axes and not mesh.empty:
-            state = jax.lax.with_sharding_constraint(state, jax.sharding.PartitionSpec(axes, None))
+    state = jax.random.bits(key, (get_num_devices_in_mesh(), 4), jnp.uint32)
+    axes = get_all_mesh_axes()
+    if axes and not mesh.empty and not manual:
+        state = jax.lax.with_sharding_constraint(state, jax.sharding.PartitionSpec(axes, None))
     meta = QuantizeMetaSet(x=QuantizeMeta(use_rht=rht), kernel=QuantizeMeta(),
                            grad=QuantizeMeta(use_rht=rht, stochastic_rounding_rng_state=state))
     return te["QuantizerFactory"].create_set(fp8_recipe=te["recipe"].NVFP4BlockScaling(disable_rht=not rht),
