@@ -17,7 +17,7 @@ from MaxText.step.state import create_state, state_spec
 from MaxText.step.train_step import loss_fn
 from tests import nccl_ep_double, test_te_trace as trace_tests
 from tests.test_moe_impls import _relative_close
-from tests.test_te_reference import at_sm, on_cpu  # noqa: F401 - fixtures: TE's Python on the references
+from tests.test_te_reference import QUANTIZABLE_TINY, at_sm, on_cpu  # noqa: F401 - at_sm, on_cpu: fixtures
 from tests.tiny import tiny_config
 
 SPLIT = ["use_batch_split_schedule=true", "batch_split_factor=2"]
@@ -36,9 +36,16 @@ CASES = {  # name -> (mesh, overrides, tolerance relative to each array's larges
 # run in bf16 whatever the model's dtype, and each part's expert weight gradient comes out of TE's grouped GEMM in
 # bf16 before the parts are added (measured: 1.6e-3 of the largest, float32 model); TE's block computes in bf16 only,
 # where the split also moves sums over the tokens (a norm scale's gradient) by about one bf16 rounding.
-TE_CASES = {
-    "te_dropless NCCL EP fsdp2_expert4": ("fsdp2_expert4", ["moe_impl=te_dropless"], 1e-2),
-    "te_moe_block expert8": ("expert8", ["moe_impl=te_dropless", "te_moe_block=true", "dtype=bfloat16"], 2e-2),
+MLA_MXFP8 = ["attention_type=mla", *QUANTIZABLE_TINY, "attention=chunked", "attention_chunk_size=8",
+             "quantization=te_mxfp8", "max_target_length=64", "base_num_decoder_layers=2"]
+# With TE's MXFP8 dense GEMMs (SM 100), the parts share each dense weight's gather (linear.gather_once). MXFP8 blocks a
+# sequence's tokens by 32, as the whole batch does; the parts' weight gradients, each out of TE's GEMM in bf16, differ
+# from the whole's by up to 1.0e-2 of the largest (one element of MLA's wkv_a, all-to-one routing: as before the parts
+# shared the gather).
+TE_CASES = {  # name -> (mesh, overrides, tolerance, SM)
+    "te_dropless NCCL EP fsdp2_expert4": ("fsdp2_expert4", ["moe_impl=te_dropless"], 1e-2, 90),
+    "te_moe_block expert8": ("expert8", ["moe_impl=te_dropless", "te_moe_block=true", "dtype=bfloat16"], 2e-2, 90),
+    "te_dropless MLA fsdp8, quantization=te_mxfp8": ("fsdp8", ["moe_impl=te_dropless", *MLA_MXFP8], 2e-2, 100),
 }
 
 
@@ -108,8 +115,8 @@ def test_a_split_batch_gives_the_whole_batchs_loss_gradients_and_statistics(case
 @pytest.mark.parametrize("case", TE_CASES)
 def test_a_split_batch_through_tes_kernels_and_nccl_ep(at_sm, monkeypatch, case):
     """NCCL EP bootstrapped for one part (te_runtime.ep_bootstrap_args), each part dispatched on its own."""
-    at_sm(90)
-    mesh_name, overrides, tol = TE_CASES[case]
+    mesh_name, overrides, tol, sm = TE_CASES[case]
+    at_sm(sm)
     devices = trace_tests.MESHES[mesh_name][1]
 
     def setup(cfg, mesh):  # NCCL EP as te_runtime.bootstrap_ep leaves it for cfg, its calls through the double

@@ -296,13 +296,18 @@ def test_the_full_scale_nvfp4_lowering_holds_tes_quantizes_in_the_expected_count
     """quantization=te_nvfp4 on NVIDIA's GB200 recipe at full scale: the same 72 dense GEMMs through TE, each of the
     24 quantizing its input, weight and output gradient (72 quantizes), and the Hadamard transform's amax for the
     weight gradient's two operands of every GEMM whose widths are multiples of 128: 7 of each body's 8 (MLA's
-    key-value down-projection, 7168 -> 576, runs without it, as the run's first lines say)."""
+    key-value down-projection, 7168 -> 576, runs without it, as the run's first lines say). With float32 master
+    weights (the training recipes'), TE's dense weights are gathered in bf16: handed the cast weight, XLA's
+    partitioner gathered the float32 one (58 of 268 GiB of all-gathers a GPU a step here); each is cast on its
+    shards first now (linear._cast_and_gather)."""
     from MaxText.config import checks
     from MaxText.config.load import load_config
 
     recipe = os.path.join(CONFIG_DIR, "gpu", "deepseek3-671b-nvidia-gb200-128.yml")
-    result = _lowered(recipe, "remat_policy=none", "quantization=te_nvfp4")
+    result = _lowered(recipe, "remat_policy=none", "quantization=te_nvfp4", "weight_dtype=float32")
     assert result["ok"], result
+    gathers = result["collectives"]["per_device_per_step"]["all-gather"]
+    assert gathers["dtypes"].get("f32", 0) < 0.01 * gathers["bytes"], gathers
     ops, bodies = result["te_ops"], 3
     assert checks.nvfp4_without_rht(load_config([recipe, "quantization=te_nvfp4"])) == [
         "MLA's key-value down-projection"]

@@ -98,7 +98,7 @@ class MLA(DenseGemms, nnx.Module):
         # the expansion runs with the attention, on each device (expanded_attention).
         c_BLR = whole_sequence(c_BLR, ("activation_batch", None, None), self.rules)
         k_pe_BL1P = whole_sequence(k_pe_BL1P, ("activation_batch", None, None, None), self.rules)
-        w_RHK = self.wkv_b[...].astype(self.dtype)
+        w_RHK = self._weight("wkv_b")
         # The GQA core with one query head per key head; V may differ from K and the scale is given (YaRN).
         latent_axes = (("activation_batch", None, None), ("activation_batch", None, None, None),
                        (None, "activation_heads", None))

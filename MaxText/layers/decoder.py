@@ -9,22 +9,11 @@ from flax import nnx
 from MaxText.config.schema import REMAT_TENSOR_NAMES
 from MaxText.layers.attention import Attention
 from MaxText.layers.attention_mla import MLA
+from MaxText.layers.linear import gather_once
 from MaxText.layers.mlp import MLP
 from MaxText.layers.moe.block import MoeBlock
-from MaxText.layers.moe.layout import slice_scope
+from MaxText.layers.moe.layout import merge_batch, slice_scope, split_batch
 from MaxText.layers.norms import RMSNorm
-
-
-def split_batch(x, parts: int):
-    """[B, ...] as `parts` arrays [B / parts, ...], part k the rows k, k + parts, k + 2 parts, ...: a device's rows
-    stay on it (B splits as [B / parts, parts], the sharded batch dim the major one), so splitting moves nothing."""
-    b = x.shape[0]
-    return tuple(x.reshape(b // parts, parts, *x.shape[1:])[:, k] for k in range(parts))
-
-
-def merge_batch(xs: tuple):
-    """split_batch's inverse."""
-    return jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:])
 
 
 def apply_split(layer_fn, parts: int, x_BLD, positions_BL, segment_ids_BL):
@@ -61,6 +50,12 @@ class DecoderLayer(nnx.Module):
         return x_BLD, stats
 
     def parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
+        if len(xs_BLD) == 1:
+            return self._parts(xs_BLD, positions, segment_ids)
+        with gather_once():  # the parts share each dense weight's FSDP gather (the experts': MoeBlock.parts)
+            return self._parts(xs_BLD, positions, segment_ids)
+
+    def _parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
         xs, normed = [], []
         for k, (x_BLD, positions_BL, segment_ids_BL) in enumerate(zip(xs_BLD, positions, segment_ids, strict=True)):
             with slice_scope("batch_split", k, len(xs_BLD)):

@@ -11,6 +11,7 @@ core (scores, softmax, values) never come here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -41,9 +42,47 @@ def gathered(w, logical, rules):
     quantizes each shard on its own (MXFP8 would need 32-row shards)."""
     if rules is None or jax.sharding.get_abstract_mesh().empty:
         return w
-    spec = logical_to_spec(logical, rules)
-    kept = [tuple(a for a in spec_axes(axes) if a not in (*DATA_AXES, "context")) or None for axes in spec]
-    return jax.lax.with_sharding_constraint(w, P(*kept))
+    return jax.lax.with_sharding_constraint(w, _whole(logical_to_spec(logical, rules)))
+
+
+def _whole(spec: P) -> P:
+    """A weight's sharding with its FSDP shards gathered: every data axis and the context axis taken off."""
+    return P(*(tuple(a for a in spec_axes(axes) if a not in (*DATA_AXES, "context")) or None for axes in spec))
+
+
+_ONCE: list = []  # {(layer, weight name): gathered weight} of the innermost gather_once
+
+
+@contextlib.contextmanager
+def gather_once():
+    """Within (the parts of a split batch running one layer: use_batch_split_schedule): each dense weight a layer
+    reads (DenseGemms._weight) is cast and FSDP-gathered once for every part, where XLA's partitioner gathered it
+    again at each part's GEMM. Its gradient is the parts' sum; each part's GEMM still reduces its own share over
+    the data axes in the partitioned module (XLA's GPU passes may reassociate the pair: not verified)."""
+    _ONCE.append({})
+    try:
+        yield
+    finally:
+        _ONCE.pop()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cast_and_gather(w, dtype, sharded: P, whole: P):
+    """w cast to dtype in its own sharding, then gathered to `whole` (the cast first: the gather moves dtype's
+    bytes). The gradient comes back in w's dtype, constrained to w's sharding (the transpose of the constraints
+    would constrain it whole first: an all-reduce where a reduce-scatter does)."""
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(w.astype(dtype), sharded), whole)
+
+
+def _cast_and_gather_fwd(w, dtype, sharded, whole):
+    return _cast_and_gather(w, dtype, sharded, whole), jnp.zeros((0,), w.dtype)  # the residual carries w's dtype
+
+
+def _cast_and_gather_bwd(dtype, sharded, whole, empty, g):
+    return (jax.lax.with_sharding_constraint(g.astype(empty.dtype), sharded),)
+
+
+_cast_and_gather.defvjp(_cast_and_gather_fwd, _cast_and_gather_bwd)
 
 
 _STREAMS: list = []  # [key, call sites drawn so far] of the innermost stochastic_rounding
@@ -89,6 +128,21 @@ class DenseGemms:
 
     AXES: dict = {}
 
+    def _weight(self, name: str):
+        """The weight `name` in the compute dtype, for a GEMM. On a mesh, for TE's dense() (which takes it gathered)
+        and inside gather_once (for every part of a split batch, cached), cast on its shards and then gathered
+        (_cast_and_gather): handed the cast weight, XLA's partitioner gathered the float32 master weight for TE,
+        twice the bytes. Elsewhere the partitioner gathers it at the einsum, in the compute dtype."""
+        w = getattr(self, name)[...]
+        if self.rules is None or jax.sharding.get_abstract_mesh().empty or not (_ONCE or self.quantization != "none"):
+            return w.astype(self.dtype)
+        spec = logical_to_spec(self.AXES[name], self.rules)
+        if not _ONCE:
+            return _cast_and_gather(w, self.dtype, spec, _whole(spec))
+        key = (id(self), name)
+        if key not in _ONCE[-1]:
+            _ONCE[-1][key] = _cast_and_gather(w, self.dtype, spec, _whole(spec))
+        return _ONCE[-1][key]
+
     def _gemm(self, spec: str, x, name: str):
-        w = getattr(self, name)[...].astype(self.dtype)
-        return dense_gemm(spec, x, w, self.quantization, self.AXES[name], self.rules)
+        return dense_gemm(spec, x, self._weight(name), self.quantization, self.AXES[name], self.rules)

@@ -29,6 +29,18 @@ def slice_scope(scheme: str, k: int, count: int):
     return jax.named_scope(f"{scheme}{k}") if count > 1 else contextlib.nullcontext()
 
 
+def split_batch(x, parts: int):
+    """[B, ...] as `parts` arrays [B / parts, ...], part k the rows k, k + parts, k + 2 parts, ...: a device's rows
+    stay on it (B splits as [B / parts, parts], the sharded batch dim the major one), so splitting moves nothing."""
+    b = x.shape[0]
+    return tuple(x.reshape(b // parts, parts, *x.shape[1:])[:, k] for k in range(parts))
+
+
+def merge_batch(xs: tuple):
+    """split_batch's inverse: each device's rows stay on it (a concatenation of the parts would move them)."""
+    return jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def gather_for_compute(w, axes: tuple, dim: int, dtype):
     """Inside shard_map: this device's shard of a weight, cast to the compute dtype, then all-gathered over
