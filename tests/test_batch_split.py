@@ -37,15 +37,16 @@ CASES = {  # name -> (mesh, overrides, tolerance relative to each array's larges
 # bf16 before the parts are added (measured: 1.6e-3 of the largest, float32 model); TE's block computes in bf16 only,
 # where the split also moves sums over the tokens (a norm scale's gradient) by about one bf16 rounding.
 MLA_MXFP8 = ["attention_type=mla", *QUANTIZABLE_TINY, "attention=chunked", "attention_chunk_size=8",
-             "quantization=te_mxfp8", "max_target_length=64", "base_num_decoder_layers=2"]
+             "quantization=te_mxfp8", "max_target_length=64", "base_num_decoder_layers=2", "mtp_num_layers=0"]
 # With TE's MXFP8 dense GEMMs (SM 100), the parts share each dense weight's gather (linear.gather_once). MXFP8 blocks a
 # sequence's tokens by 32, as the whole batch does; the parts' weight gradients, each out of TE's GEMM in bf16, differ
-# from the whole's by up to 1.0e-2 of the largest (one element of MLA's wkv_a, all-to-one routing: as before the parts
-# shared the gather).
+# from the whole's by up to 2.1e-2 of the largest at one element (the first layer's wq_b, all-to-one routing), 1.1e-2
+# of the norm at most (measured; te_moe_block's bf16 case differs as much; with an MTP depth, the code before the
+# shared gather gave the same largest difference to the digit).
 TE_CASES = {  # name -> (mesh, overrides, tolerance, SM)
     "te_dropless NCCL EP fsdp2_expert4": ("fsdp2_expert4", ["moe_impl=te_dropless"], 1e-2, 90),
     "te_moe_block expert8": ("expert8", ["moe_impl=te_dropless", "te_moe_block=true", "dtype=bfloat16"], 2e-2, 90),
-    "te_dropless MLA fsdp8, quantization=te_mxfp8": ("fsdp8", ["moe_impl=te_dropless", *MLA_MXFP8], 2e-2, 100),
+    "te_dropless MLA fsdp8, quantization=te_mxfp8": ("fsdp8", ["moe_impl=te_dropless", *MLA_MXFP8], 3e-2, 100),
 }
 
 
