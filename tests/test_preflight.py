@@ -299,7 +299,9 @@ def test_the_full_scale_nvfp4_lowering_holds_tes_quantizes_in_the_expected_count
     key-value down-projection, 7168 -> 576, runs without it, as the run's first lines say). With float32 master
     weights (the training recipes'), TE's dense weights are gathered in bf16: handed the cast weight, XLA's
     partitioner gathered the float32 one (58 of 268 GiB of all-gathers a GPU a step here); each is cast on its
-    shards first now (linear._cast_and_gather)."""
+    shards first now (linear._cast_and_gather). TE psums each dense weight's gradient whole; only our slice of it
+    follows (a reduce-scatter on GPU): a second sharding constraint on the gathered weight had kept the all-reduce's
+    whole result alive (28.7 GiB of bf16 all-reduces a GPU a step here)."""
     from MaxText.config import checks
     from MaxText.config.load import load_config
 
@@ -308,6 +310,8 @@ def test_the_full_scale_nvfp4_lowering_holds_tes_quantizes_in_the_expected_count
     assert result["ok"], result
     gathers = result["collectives"]["per_device_per_step"]["all-gather"]
     assert gathers["dtypes"].get("f32", 0) < 0.01 * gathers["bytes"], gathers
+    reduced = result["collectives"]["per_device_per_step"]
+    assert reduced.get("all-reduce", {}).get("bytes", 0) < 0.01 * reduced["reduce-scatter"]["bytes"], reduced
     ops, bodies = result["te_ops"], 3
     assert checks.nvfp4_without_rht(load_config([recipe, "quantization=te_nvfp4"])) == [
         "MLA's key-value down-projection"]

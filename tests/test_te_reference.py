@@ -466,7 +466,7 @@ _BF16_ON_8 = {}  # the bf16 losses on 8 devices, once: the same batch and the sa
 @pytest.mark.parametrize("mesh_name", [m for m in trace_tests.MESHES if trace_tests.MESHES[m][1] > 1])
 def test_fp8_dense_gemms_partition_on_every_mesh(at_sm, monkeypatch, tmp_path, mesh_name):
     """TE's dense GEMMs under its own partitioning rules on the multi-device test meshes (weights FSDP-sharded
-    and gathered by linear.gathered, expert and data axes splitting the batch), at SM 90: two steps of
+    and gathered by DenseGemms._weight, expert and data axes splitting the batch), at SM 90: two steps of
     tensor-scaled FP8 track bf16 GEMMs' losses as on fsdp2 (those of one 8-device mesh: the same global batch on
     each). (Before the weights were gathered, TE's partitioner failed on data2_expert4 with a duplicate `expert` in
     its output sharding.) MXFP8 differs from FP8 only in its quantizer set, checked on fsdp2 above."""

@@ -171,7 +171,7 @@ def check_quantized_gemms(cfg) -> None:
     multiples of 16 for FP8 (cuBLAS), of 32 for MXFP8 (its scaling blocks) and NVFP4 (cuBLAS); likewise the
     tokens of one device's micro-batch, which the weight gradient contracts, and for MXFP8 a sequence's length
     (TE blocks the activations' second dim), for NVFP4 both multiples of 64. Each weight is gathered whole before
-    TE quantizes it (linear.gathered). te_nvfp4's Hadamard transform needs widths that are multiples of 128 as
+    TE quantizes it (DenseGemms._weight). te_nvfp4's Hadamard transform needs widths that are multiples of 128 as
     well: a GEMM whose widths are not runs without it (nvfp4_rht; the run's first lines name it)."""
     if cfg.quantization == "none":
         return

@@ -111,7 +111,7 @@ class MLA(DenseGemms, nnx.Module):
     def _keys_values(self, c_BLR, k_pe_BL1P, w_RHK, rules):
         """Every head's keys (nope part expanded from the latent, the shared rope key) and values [B, L, H, .]; rules
         None inside context parallelism's per-device function (no sharding constraints there)."""
-        kv_BLHK = dense_gemm("blr,rhk->blhk", c_BLR, w_RHK, self.quantization, self.AXES["wkv_b"], rules)
+        kv_BLHK = dense_gemm("blr,rhk->blhk", c_BLR, w_RHK, self.quantization)
         kv_BLHK = constrain(kv_BLHK, ("activation_batch", None, "activation_heads", None), rules)  # length whole
         k_nope, v_BLHV = jnp.split(kv_BLHK, [self.nope_dim], axis=-1)
         b, l, h, _ = k_nope.shape

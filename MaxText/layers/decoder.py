@@ -50,12 +50,10 @@ class DecoderLayer(nnx.Module):
         return x_BLD, stats
 
     def parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
-        if len(xs_BLD) == 1:
-            return self._parts(xs_BLD, positions, segment_ids)
-        with gather_once():  # the parts share each dense weight's FSDP gather (the experts': MoeBlock.parts)
-            return self._parts(xs_BLD, positions, segment_ids)
+        with gather_once(len(xs_BLD)):  # the parts share each dense weight's FSDP gather (the experts': MoeBlock.parts)
+            return self._layer(xs_BLD, positions, segment_ids)
 
-    def _parts(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
+    def _layer(self, xs_BLD: tuple, positions: tuple, segment_ids: tuple):
         xs, normed = [], []
         for k, (x_BLD, positions_BL, segment_ids_BL) in enumerate(zip(xs_BLD, positions, segment_ids, strict=True)):
             with slice_scope("batch_split", k, len(xs_BLD)):

@@ -34,19 +34,9 @@ def contracting_dims(spec: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.index(c) for c in shared), tuple(w.index(c) for c in shared)
 
 
-def gathered(w, logical, rules):
-    """w with its FSDP shards gathered (every data axis and the context axis taken off its sharding; the tensor axis
-    kept), as XLA gathers a weight for an einsum. TE's dense() partitions by its own rules: handed an FSDP-sharded
-    weight it keeps the weight's sharding in its output, which clashes with a batch split over some of the same
-    axes (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running TE's partitioner on CPU), and it
-    quantizes each shard on its own (MXFP8 would need 32-row shards)."""
-    if rules is None or jax.sharding.get_abstract_mesh().empty:
-        return w
-    return jax.lax.with_sharding_constraint(w, _whole(logical_to_spec(logical, rules)))
-
-
 def _whole(spec: P) -> P:
-    """A weight's sharding with its FSDP shards gathered: every data axis and the context axis taken off."""
+    """A weight's sharding with its FSDP shards gathered (every data axis and the context axis taken off; the tensor
+    axis kept), as XLA gathers a weight for an einsum."""
     return P(*(tuple(a for a in spec_axes(axes) if a not in (*DATA_AXES, "context")) or None for axes in spec))
 
 
@@ -54,11 +44,15 @@ _ONCE: list = []  # {(layer, weight name): gathered weight} of the innermost gat
 
 
 @contextlib.contextmanager
-def gather_once():
-    """Within (the parts of a split batch running one layer: use_batch_split_schedule): each dense weight a layer
-    reads (DenseGemms._weight) is cast and FSDP-gathered once for every part, where XLA's partitioner gathered it
-    again at each part's GEMM. Its gradient is the parts' sum; each part's GEMM still reduces its own share over
-    the data axes in the partitioned module (XLA's GPU passes may reassociate the pair: not verified)."""
+def gather_once(parts: int):
+    """Within (the `parts` parts of a split batch running one layer: use_batch_split_schedule; nothing for one): each
+    dense weight a layer reads (DenseGemms._weight) is cast and FSDP-gathered once for every part, where XLA's
+    partitioner gathered it again at each part's GEMM. Its gradient is the parts' sum; each part's GEMM still
+    reduces its own share over the data axes in the partitioned module (XLA's GPU passes may reassociate the pair:
+    not verified)."""
+    if parts == 1:
+        yield
+        return
     _ONCE.append({})
     try:
         yield
@@ -106,10 +100,10 @@ def _next_stream():
     return jax.random.fold_in(_STREAMS[-1][0], _STREAMS[-1][1])
 
 
-def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=None):
-    """einsum(spec, x, w) with w already in x's dtype and `logical` its logical axes. The contracted dims must be x's
-    last and w's first, the output x's free dims then w's (every projection here): what TE's dense() computes in
-    the recipe's precision, on the gathered weight."""
+def dense_gemm(spec: str, x, w, quantization: str = "none"):
+    """einsum(spec, x, w) with w already in x's dtype (and, for TE, gathered: DenseGemms._weight). The contracted dims
+    must be x's last and w's first, the output x's free dims then w's (every projection here): what TE's dense()
+    computes in the recipe's precision."""
     if quantization == "none":
         return jnp.einsum(spec, x, w)
     te = import_te()
@@ -118,7 +112,7 @@ def dense_gemm(spec: str, x, w, quantization: str = "none", logical=(), rules=No
     if recipe.startswith("nvfp4"):
         width_in = math.prod(w.shape[i] for i in dims[1])
         recipe = "nvfp4" if nvfp4_rht(quantization, width_in, w.size // width_in) else "nvfp4_no_rht"
-    return te["dense"].dense(x, gathered(w, logical, rules), contracting_dims=dims,
+    return te["dense"].dense(x, w, contracting_dims=dims,
                              quantizer_set=quantizer_set(te, recipe, 1, sr_key=_next_stream()))
 
 
@@ -129,20 +123,21 @@ class DenseGemms:
     AXES: dict = {}
 
     def _weight(self, name: str):
-        """The weight `name` in the compute dtype, for a GEMM. On a mesh, for TE's dense() (which takes it gathered)
-        and inside gather_once (for every part of a split batch, cached), cast on its shards and then gathered
-        (_cast_and_gather): handed the cast weight, XLA's partitioner gathered the float32 master weight for TE,
-        twice the bytes. Elsewhere the partitioner gathers it at the einsum, in the compute dtype."""
+        """The weight `name` in the compute dtype, for a GEMM: on a mesh, for TE's dense() and inside gather_once (once
+        for every part of a split batch), cast on its shards and then gathered (_cast_and_gather); elsewhere cast, for
+        XLA's partitioner to gather at the einsum in the compute dtype. TE's dense() takes it gathered: handed an
+        FSDP-sharded weight, TE's partitioner keeps the weight's sharding in its output, which clashes with a batch
+        split over some of the same axes (data 2 x expert 4: P(('data', 'expert'), None, 'expert'), found running
+        TE's partitioner on CPU), and quantizes each shard on its own (MXFP8 would need 32-row shards); handed the
+        cast weight constrained whole, XLA's partitioner gathered the float32 master weight, twice the bytes."""
         w = getattr(self, name)[...]
         if self.rules is None or jax.sharding.get_abstract_mesh().empty or not (_ONCE or self.quantization != "none"):
             return w.astype(self.dtype)
-        spec = logical_to_spec(self.AXES[name], self.rules)
-        if not _ONCE:
-            return _cast_and_gather(w, self.dtype, spec, _whole(spec))
-        key = (id(self), name)
-        if key not in _ONCE[-1]:
-            _ONCE[-1][key] = _cast_and_gather(w, self.dtype, spec, _whole(spec))
-        return _ONCE[-1][key]
+        cache, key = (_ONCE[-1] if _ONCE else {}), (id(self), name)
+        if key not in cache:
+            spec = logical_to_spec(self.AXES[name], self.rules)
+            cache[key] = _cast_and_gather(w, self.dtype, spec, _whole(spec))
+        return cache[key]
 
     def _gemm(self, spec: str, x, name: str):
-        return dense_gemm(spec, x, self._weight(name), self.quantization, self.AXES[name], self.rules)
+        return dense_gemm(spec, x, self._weight(name), self.quantization)

@@ -118,7 +118,7 @@ class LayerTensors(NamedTuple):
 
 def with_te_dense_copies(cfg, block: LayerTensors, t: int, tp: int, widths) -> LayerTensors:
     """block plus the FP8 copies TE's dense() makes for `quantization` in its GEMMs of these (input, output)
-    widths (each weight gathered, linear.gathered): in the forward each GEMM's input and weight, kept for its
+    widths (each weight gathered, DenseGemms._weight): in the forward each GEMM's input and weight, kept for its
     backward; in the backward the output's cotangent, beside the block's working set. Split over the tensor
     axis as the widths are (taken as even)."""
     q = TE_FP8_BYTES.get(QUANTIZATION_RECIPES.get(cfg.quantization))

@@ -103,8 +103,9 @@ class MoeBlock(nnx.Module):
             valids.append(valid_T)
             overflow = overflow + jnp.asarray(impl_stats["overflow"], jnp.float32)
             fallback = fallback + impl_stats.get("fallback", 0.0)
-        pooled = Choice(*(_pooled(fields, b) for fields in zip(*choices)))
-        valid_T = None if valids[0] is None else _pooled(valids, b)
+        rows = xs_BLD[0].shape[0]  # each part's
+        pooled = Choice(*(_pooled(fields, rows) for fields in zip(*choices)))
+        valid_T = None if valids[0] is None else _pooled(valids, rows)
         routing = routing_stats(pooled, cfg, valid_T)
         stats = {"lb_loss": routing.lb_loss, "z_loss": routing.z_loss, "load_E": routing.load_E,
                  "entropy": routing.entropy,
